@@ -1,0 +1,507 @@
+"""The rollout hook: a memory agent's environment, its action grammar and its memory policies.
+
+An episode is a dialogue between a model and an environment. At every turn the model writes its updated memory and
+exactly one action::
+
+    free thinking (ignored) <memory>what I know so far</memory> <search>a query</search>
+    free thinking (ignored) <memory>what I know so far</memory> <answer>the answer</answer>
+
+and a search comes back as ``<information>...</information>``. The tag names are configuration
+(:class:`ActionFormat`), so a model trained in another format (for example MEM1's, whose memory lives in
+``<think>...</think>``) can act in the format it knows.
+
+What the *next* model call sees is decided by a :class:`MemoryPolicy`: ``compact`` (the MemOPD / MEM1 setting: the
+task, the latest memory and action, the latest observation) or ``persistent`` (every turn so far, the baseline whose
+context grows). Environments speak text and chat messages; they never tokenize.
+"""
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class ActionFormat:
+    """
+    Tag names of the action grammar.
+
+    Parameters:
+        memory_tag (`str`, *optional*, defaults to `"memory"`):
+            Tag holding the rewritten memory; it must come before the action.
+        search_tag (`str`, *optional*, defaults to `"search"`):
+            Tag of a search action; its content is the query.
+        answer_tag (`str`, *optional*, defaults to `"answer"`):
+            Tag of the final answer.
+        information_tag (`str`, *optional*, defaults to `"information"`):
+            Tag wrapping search results in observations.
+        require_memory (`bool`, *optional*, defaults to `True`):
+            Whether an action without a memory block is malformed.
+
+    Example:
+
+    ```python
+    >>> from memopd_trl import ActionFormat
+    >>> ActionFormat.preset("mem1").memory_tag
+    'think'
+    ```
+    """
+
+    memory_tag: str = "memory"
+    search_tag: str = "search"
+    answer_tag: str = "answer"
+    information_tag: str = "information"
+    require_memory: bool = True
+
+    def __post_init__(self):
+        tags = (self.memory_tag, self.search_tag, self.answer_tag, self.information_tag)
+        for tag in tags:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", tag):
+                raise ValueError(f"Tag names must be simple identifiers like 'memory', got {tag!r}.")
+        if len(set(tags)) != len(tags):
+            raise ValueError(f"Tag names must be distinct, got {tags}.")
+
+    @classmethod
+    def preset(cls, name: str) -> "ActionFormat":
+        """
+        A named tag set: `"memopd"` (`<memory>`, `<search>`, `<answer>`, `<information>`) or `"mem1"` (memory in
+        `<think>`, as the released MEM1 checkpoints were trained).
+
+        Returns:
+            `ActionFormat`: the preset.
+        """
+        if name not in ACTION_FORMAT_PRESETS:
+            raise ValueError(f"Unknown action format {name!r}; choose one of {sorted(ACTION_FORMAT_PRESETS)}.")
+        return ACTION_FORMAT_PRESETS[name]
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Strings that end a generation: the closing tags of the two actions."""
+        return (f"</{self.search_tag}>", f"</{self.answer_tag}>")
+
+    @property
+    def special_tokens(self) -> list[str]:
+        """Every opening and closing tag, e.g. to add them to a tokenizer as single tokens."""
+        tags = (self.memory_tag, self.search_tag, self.answer_tag, self.information_tag)
+        return [t for tag in tags for t in (f"<{tag}>", f"</{tag}>")]
+
+    def wrap(self, tag: str, text: str) -> str:
+        """Returns `<tag>text</tag>`."""
+        return f"<{tag}>{text}</{tag}>"
+
+    def render_action(self, memory: str | None, kind: str, argument: str) -> str:
+        """
+        Render a well-formed action.
+
+        Args:
+            memory (`str` or `None`): memory text, or `None` for no memory block.
+            kind (`str`): `"search"` or `"answer"`.
+            argument (`str`): the query or the answer.
+
+        Returns:
+            `str`: e.g. `<memory>...</memory><search>...</search>`.
+        """
+        if kind not in ("search", "answer"):
+            raise ValueError(f"`kind` must be 'search' or 'answer', got {kind!r}.")
+        tag = self.search_tag if kind == "search" else self.answer_tag
+        head = "" if memory is None else self.wrap(self.memory_tag, memory)
+        return head + self.wrap(tag, argument)
+
+    def describe(self) -> str:
+        """A short instruction stating the expected format, used in system prompts and format-error observations."""
+        m, s, a = self.memory_tag, self.search_tag, self.answer_tag
+        return (
+            f"Write your updated memory inside <{m}>...</{m}>, then exactly one action: "
+            f"<{s}>query</{s}> to search, or <{a}>final answer</{a}> to answer. "
+            f"Search results come back inside <{self.information_tag}>...</{self.information_tag}>."
+        )
+
+
+ACTION_FORMAT_PRESETS = {"memopd": ActionFormat(), "mem1": ActionFormat(memory_tag="think")}
+
+
+@dataclass
+class ParsedAction:
+    """
+    An agent turn parsed against an :class:`ActionFormat`.
+
+    Parameters:
+        kind (`str`): `"search"`, `"answer"` or `"malformed"`.
+        memory (`str` or `None`): the memory block's content (stripped), `None` when absent.
+        argument (`str`): the query or answer (stripped); empty when malformed.
+        error (`str` or `None`): why the action is malformed, `None` otherwise.
+    """
+
+    kind: Literal["search", "answer", "malformed"]
+    memory: str | None = None
+    argument: str = ""
+    error: str | None = None
+
+
+def _blocks(text: str, tag: str) -> tuple[list[re.Match], int, int]:
+    opens = text.count(f"<{tag}>")
+    closes = text.count(f"</{tag}>")
+    matches = list(re.finditer(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL))
+    return matches, opens, closes
+
+
+def parse_action(text: str, action_format: ActionFormat) -> ParsedAction:
+    """
+    Parse one agent turn. Never raises on agent text.
+
+    Rules: text outside the tags is ignored; every tag must be closed; at most one memory block, which must end before
+    the action starts; exactly one action block (search or answer) with non-empty content; a missing memory block is
+    malformed when `action_format.require_memory`.
+
+    Returns:
+        `ParsedAction`: the parsed action, or one of kind `"malformed"` whose `error` says what was wrong.
+    """
+    if not isinstance(text, str):
+        return ParsedAction("malformed", error=f"the action must be text, got {type(text).__name__}")
+    fmt = action_format
+    for tag in (fmt.memory_tag, fmt.search_tag, fmt.answer_tag):
+        matches, opens, closes = _blocks(text, tag)
+        if opens != closes or len(matches) != opens:
+            return ParsedAction("malformed", error=f"unclosed or unbalanced <{tag}> tag")
+    memories, _, _ = _blocks(text, fmt.memory_tag)
+    searches, _, _ = _blocks(text, fmt.search_tag)
+    answers, _, _ = _blocks(text, fmt.answer_tag)
+    if len(memories) > 1:
+        return ParsedAction("malformed", error=f"more than one <{fmt.memory_tag}> block")
+    actions = searches + answers
+    if not actions:
+        return ParsedAction("malformed", error=f"no <{fmt.search_tag}> or <{fmt.answer_tag}> action")
+    if len(actions) > 1:
+        return ParsedAction("malformed", error="more than one action; write exactly one")
+    action = actions[0]
+    memory = memories[0].group(1).strip() if memories else None
+    if memories and memories[0].end() > action.start():
+        return ParsedAction("malformed", error=f"the <{fmt.memory_tag}> block must come before the action")
+    if memory is None and fmt.require_memory:
+        return ParsedAction("malformed", error=f"missing <{fmt.memory_tag}> block")
+    kind = "search" if searches else "answer"
+    argument = action.group(1).strip()
+    if not argument:
+        tag = fmt.search_tag if searches else fmt.answer_tag
+        return ParsedAction("malformed", memory=memory, error=f"empty <{tag}> block")
+    return ParsedAction(kind, memory=memory, argument=argument)
+
+
+@dataclass
+class Turn:
+    """
+    One played turn, as the memory policies see it.
+
+    Parameters:
+        action_text (`str`): the assistant message kept for later contexts (canonical rendering of a valid action, or
+            the raw text, cut to the memory budget, of a malformed one).
+        observation (`str`): what the environment answered.
+        parsed (`ParsedAction`): the parsed action.
+    """
+
+    action_text: str
+    observation: str
+    parsed: ParsedAction
+
+
+class MemoryPolicy(ABC):
+    """Decides which chat messages the next model call sees. Subclass it to try another memory scheme."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def build_messages(self, system: str, task: str, turns: list[Turn]) -> list[dict[str, str]]:
+        """
+        Returns:
+            `list[dict]`: chat messages (`{"role": ..., "content": ...}`) for the next model call.
+        """
+
+
+class CompactMemoryPolicy(MemoryPolicy):
+    """The MemOPD / MEM1 setting: system, task, the latest action (holding the latest memory), the latest observation."""
+
+    name = "compact"
+
+    def build_messages(self, system: str, task: str, turns: list[Turn]) -> list[dict[str, str]]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        if turns:
+            last = turns[-1]
+            messages += [
+                {"role": "assistant", "content": last.action_text},
+                {"role": "user", "content": last.observation},
+            ]
+        return messages
+
+
+class PersistentMemoryPolicy(MemoryPolicy):
+    """The growing baseline: system, task, then every action and observation so far."""
+
+    name = "persistent"
+
+    def build_messages(self, system: str, task: str, turns: list[Turn]) -> list[dict[str, str]]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        for turn in turns:
+            messages += [
+                {"role": "assistant", "content": turn.action_text},
+                {"role": "user", "content": turn.observation},
+            ]
+        return messages
+
+
+MEMORY_POLICIES: dict[str, type[MemoryPolicy]] = {"compact": CompactMemoryPolicy, "persistent": PersistentMemoryPolicy}
+
+
+def get_memory_policy(policy: "str | MemoryPolicy") -> MemoryPolicy:
+    """Returns the policy named `policy` (`"compact"` or `"persistent"`), or `policy` itself if it is one already."""
+    if isinstance(policy, MemoryPolicy):
+        return policy
+    if policy not in MEMORY_POLICIES:
+        raise ValueError(f"Unknown memory policy {policy!r}; choose one of {sorted(MEMORY_POLICIES)}.")
+    return MEMORY_POLICIES[policy]()
+
+
+@dataclass
+class StepResult:
+    """
+    What `MemoryAgentEnv.step` returns.
+
+    Parameters:
+        observation (`str`): the environment's answer (search results, a format error, or the end of the episode).
+        reward (`float`): the reward of this step (non-zero only at the end of an episode).
+        done (`bool`): whether the episode is over.
+        info (`dict`): details: `kind` of the action, `error`, `memory_truncated`, `retriever_error`, `f1`, `em`, ...
+    """
+
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _cut(text: str, limit: int | None, marker: str = " ...") -> tuple[str, bool]:
+    if limit is None or len(text) <= limit:
+        return text, False
+    return text[: max(0, limit - len(marker))] + marker, True
+
+
+class MemoryAgentEnv(ABC):
+    """
+    Base class of a memory agent's environment: the action grammar, the memory policy, the limits. Subclasses say what
+    the task is, how a search is answered and how an answer is scored.
+
+    Life of an episode: `reset(record)`, then repeatedly `messages()` (the chat messages for the next model call)
+    and `step(action_text)` until `done`. Agent mistakes never raise: a malformed action gets an observation stating
+    the expected format and counts toward `max_malformed`; when that many malformed actions have been made the
+    episode ends with reward 0. A search that raises gives an error observation and is counted in `info`.
+
+    Args:
+        action_format (`ActionFormat` or `str`, *optional*, defaults to `"memopd"`):
+            The tag names, or the name of a preset (`"memopd"`, `"mem1"`).
+        memory_policy (`str` or `MemoryPolicy`, *optional*, defaults to `"compact"`):
+            Which context the next call sees: `"compact"` or `"persistent"`.
+        max_turns (`int`, *optional*, defaults to `6`):
+            Turns after which an unanswered episode ends with reward 0.
+        max_malformed (`int`, *optional*, defaults to `2`):
+            Number of malformed actions that ends the episode with reward 0.
+        max_memory_chars (`int` or `None`, *optional*, defaults to `1024`):
+            Memory longer than this is cut (its head is kept) before it enters later contexts; reported in
+            `info["memory_truncated"]`.
+        max_observation_chars (`int` or `None`, *optional*, defaults to `2048`):
+            Observations longer than this are cut.
+        format_penalty (`float`, *optional*, defaults to `0.0`):
+            Subtracted from the final reward for each malformed action (the reward never goes below 0).
+        system_prompt (`str`, *optional*):
+            Overrides the default system prompt (which states the action format).
+    """
+
+    def __init__(
+        self,
+        action_format: ActionFormat | str = "memopd",
+        memory_policy: "str | MemoryPolicy" = "compact",
+        max_turns: int = 6,
+        max_malformed: int = 2,
+        max_memory_chars: int | None = 1024,
+        max_observation_chars: int | None = 2048,
+        format_penalty: float = 0.0,
+        system_prompt: str | None = None,
+    ):
+        if max_turns < 1:
+            raise ValueError(f"`max_turns` must be >= 1, got {max_turns}.")
+        if max_malformed < 1:
+            raise ValueError(f"`max_malformed` must be >= 1, got {max_malformed}.")
+        for name, value in (("max_memory_chars", max_memory_chars), ("max_observation_chars", max_observation_chars)):
+            if value is not None and value < 16:
+                raise ValueError(f"`{name}` must be None or >= 16, got {value}.")
+        if format_penalty < 0:
+            raise ValueError(f"`format_penalty` must be >= 0, got {format_penalty}.")
+        self.action_format = ActionFormat.preset(action_format) if isinstance(action_format, str) else action_format
+        self.memory_policy = get_memory_policy(memory_policy)
+        self.max_turns = max_turns
+        self.max_malformed = max_malformed
+        self.max_memory_chars = max_memory_chars
+        self.max_observation_chars = max_observation_chars
+        self.format_penalty = format_penalty
+        self.system_prompt = system_prompt or self.default_system_prompt()
+        self._record: dict[str, Any] | None = None
+
+    # ----- what a subclass provides -------------------------------------------------------------------------------
+    @abstractmethod
+    def task_text(self, record: dict[str, Any]) -> str:
+        """Returns the task as the user message of the first turn."""
+
+    @abstractmethod
+    def search(self, query: str) -> str:
+        """Returns the body of the observation for `query` (it is wrapped in the information tag by the base class)."""
+
+    @abstractmethod
+    def score(self, answer: str) -> dict[str, float]:
+        """Returns at least `{"f1": ..., "em": ...}` for a final answer against the current record."""
+
+    def default_system_prompt(self) -> str:
+        """Returns the system prompt stating the task type and the action format."""
+        return "You are a research agent with a compact memory. " + self.action_format.describe()
+
+    # ----- episode life -------------------------------------------------------------------------------------------
+    def reset(self, record: dict[str, Any]) -> list[dict[str, str]]:
+        """
+        Start an episode on `record`.
+
+        Returns:
+            `list[dict]`: the chat messages of the first model call.
+        """
+        self._record = record
+        self.task = self.task_text(record)
+        self.turns: list[Turn] = []
+        self.done = False
+        self.answer: str | None = None
+        self.memory: str | None = None
+        self.reward = 0.0
+        self.f1 = 0.0
+        self.em = 0.0
+        self.num_malformed = 0
+        self.num_retriever_errors = 0
+        self.num_memory_cuts = 0
+        self.end_reason: str | None = None
+        return self.messages()
+
+    @property
+    def num_turns(self) -> int:
+        """Number of actions taken so far."""
+        return len(self.turns)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """Strings that end a generation (the action closing tags)."""
+        return self.action_format.stop_strings
+
+    def messages(self, char_budget: int | None = None) -> list[dict[str, str]]:
+        """
+        The chat messages of the next model call, built by the memory policy.
+
+        Args:
+            char_budget (`int`, *optional*):
+                When the rendered context is too long for the model, the caller may ask for a smaller one: the
+                memory and observation texts of the carried turns are cut so that together they fit in this many
+                characters (observations are shortened first, then memory). The task is never cut, nor is any
+                sampled action, which lives only in the recorded token ids.
+
+        Returns:
+            `list[dict]`: chat messages `{"role", "content"}`.
+        """
+        if self._record is None:
+            raise RuntimeError("Call `reset(record)` before `messages()`.")
+        turns = self.turns
+        if char_budget is not None and turns:
+            turns = self._shrink(turns, char_budget)
+        return self.memory_policy.build_messages(self.system_prompt, self.task, turns)
+
+    def _shrink(self, turns: list[Turn], char_budget: int) -> list[Turn]:
+        total_obs = sum(len(t.observation) for t in turns) or 1
+        obs_budget = max(0, char_budget - sum(len(t.action_text) for t in turns))
+        shrunk = []
+        for t in turns:
+            obs, _ = _cut(t.observation, max(16, obs_budget * len(t.observation) // total_obs))
+            action = t.action_text
+            if obs_budget == 0 and t.parsed.memory is not None and t.parsed.kind != "malformed":
+                memory, _ = _cut(t.parsed.memory, max(16, char_budget // max(1, len(turns))))
+                action = self.action_format.render_action(memory, t.parsed.kind, t.parsed.argument)
+            shrunk.append(Turn(action, obs, t.parsed))
+        return shrunk
+
+    def step(self, action_text: str) -> StepResult:
+        """
+        Play one agent turn.
+
+        Args:
+            action_text (`str`): the text the model generated (thinking, memory block and one action).
+
+        Returns:
+            `StepResult`: next observation, reward, whether the episode is done, and details in `info`.
+        """
+        if self._record is None:
+            raise RuntimeError("Call `reset(record)` before `step()`.")
+        if self.done:
+            raise RuntimeError("The episode is over; call `reset(record)` to start another.")
+        parsed = parse_action(action_text, self.action_format)
+        info: dict[str, Any] = {"kind": parsed.kind, "turn": len(self.turns)}
+        fmt = self.action_format
+        if parsed.kind == "malformed":
+            self.num_malformed += 1
+            info["error"] = parsed.error
+            kept, _ = _cut(action_text if isinstance(action_text, str) else "", self.max_memory_chars)
+            observation = f"Invalid action ({parsed.error}). {fmt.describe()}"
+            self.turns.append(Turn(kept, observation, parsed))
+            if self.num_malformed >= self.max_malformed:
+                return self._finish(0.0, "malformed", observation, info)
+        else:
+            memory = parsed.memory
+            if memory is not None:
+                memory, cut = _cut(memory, self.max_memory_chars)
+                info["memory_truncated"] = cut
+                self.num_memory_cuts += int(cut)
+                self.memory = memory
+            kept = fmt.render_action(memory, parsed.kind, parsed.argument)
+            if parsed.kind == "answer":
+                self.answer = parsed.argument
+                self.turns.append(Turn(kept, "", parsed))
+                scores = self.score(parsed.argument)
+                self.f1, self.em = float(scores["f1"]), float(scores["em"])
+                info.update(scores)
+                reward = max(0.0, self.f1 - self.format_penalty * self.num_malformed)
+                return self._finish(reward, "answer", "", info)
+            try:
+                body = self.search(parsed.argument)
+            except Exception as err:  # a failing retriever must not end training
+                self.num_retriever_errors += 1
+                info["retriever_error"] = f"{type(err).__name__}: {err}"
+                body = "Search failed; try another query."
+            body, cut = _cut(body, self.max_observation_chars)
+            info["observation_truncated"] = cut
+            observation = fmt.wrap(fmt.information_tag, body)
+            self.turns.append(Turn(kept, observation, parsed))
+        if len(self.turns) >= self.max_turns:
+            return self._finish(0.0, "max_turns", self.turns[-1].observation, info)
+        return StepResult(self.turns[-1].observation, 0.0, False, info)
+
+    def _finish(self, reward: float, reason: str, observation: str, info: dict[str, Any]) -> StepResult:
+        self.done = True
+        self.reward = reward
+        self.end_reason = reason
+        info["end_reason"] = reason
+        return StepResult(observation, reward, True, info)
+
+    @classmethod
+    def factory(cls, **kwargs) -> Callable[[], "MemoryAgentEnv"]:
+        """
+        Returns:
+            `Callable[[], MemoryAgentEnv]`: a function that makes a fresh environment with these arguments, so a
+            trainer can give every episode its own. Heavy shared objects (a retriever) are passed once and shared.
+        """
+
+        def make() -> "MemoryAgentEnv":
+            return cls(**kwargs)
+
+        make.env_class = cls
+        make.kwargs = kwargs
+        return make
