@@ -217,11 +217,22 @@ class MemoryPolicy(ABC):
             `list[dict]`: chat messages (`{"role": ..., "content": ...}`) for the next model call.
         """
 
+    def carried_turns(self, turns: list[Turn]) -> list[Turn]:
+        """
+        Returns:
+            `list[Turn]`: the turns whose texts `build_messages` puts in the next context (all of them unless a
+            policy says otherwise); `MemoryAgentEnv.messages(char_budget=...)` shrinks only these.
+        """
+        return turns
+
 
 class CompactMemoryPolicy(MemoryPolicy):
     """The MemOPD / MEM1 setting: system, task, the latest action (holding the latest memory), the latest observation."""
 
     name = "compact"
+
+    def carried_turns(self, turns: list[Turn]) -> list[Turn]:
+        return turns[-1:]
 
     def build_messages(self, system: str, task: str, turns: list[Turn]) -> list[dict[str, str]]:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
@@ -370,8 +381,9 @@ class MemoryAgentEnv(ABC):
         Returns:
             `list[dict]`: the chat messages of the first model call.
         """
+        task = self.task_text(record)  # first, so that a rejected record leaves the previous episode untouched
         self._record = record
-        self.task = self.task_text(record)
+        self.task = task
         self.turns: list[Turn] = []
         self.done = False
         self.answer: str | None = None
@@ -412,8 +424,10 @@ class MemoryAgentEnv(ABC):
         if self._record is None:
             raise RuntimeError("Call `reset(record)` before `messages()`.")
         turns = self.turns
-        if char_budget is not None and turns:
-            turns = self._shrink(turns, char_budget)
+        carried = self.memory_policy.carried_turns(turns)
+        if char_budget is not None and carried:
+            shrunk = {id(old): new for old, new in zip(carried, self._shrink(carried, char_budget), strict=True)}
+            turns = [shrunk.get(id(turn), turn) for turn in turns]
         return self.memory_policy.build_messages(self.system_prompt, self.task, turns)
 
     def _shrink(self, turns: list[Turn], char_budget: int) -> list[Turn]:
@@ -456,6 +470,7 @@ class MemoryAgentEnv(ABC):
                 return self._finish(0.0, "malformed", observation, info)
         else:
             memory = parsed.memory
+            info["memory_truncated"] = False
             if memory is not None:
                 memory, cut = _cut(memory, self.max_memory_chars)
                 info["memory_truncated"] = cut

@@ -1,0 +1,230 @@
+"""Load HotpotQA records, in the official layout, from a local file or the Hugging Face Hub, and validate them.
+
+The official layout (the JSON files of the HotpotQA release) has seven fields per record:
+
+| field | type |
+| --- | --- |
+| `_id` | `str` |
+| `answer` | `str` (absent from the official test file) |
+| `question` | `str` |
+| `supporting_facts` | `[[title, sent_id], ...]` (`[str, int]`; absent from the official test file) |
+| `context` | `[[title, [sentence, ...]], ...]` |
+| `type` | `"bridge"` or `"comparison"` |
+| `level` | `"easy"`, `"medium"` or `"hard"` |
+
+The Hub copy (`hotpotqa/hotpot_qa`) stores the same data differently: `id` instead of `_id`, `context` as
+`{"title": [...], "sentences": [[...], ...]}` and `supporting_facts` as `{"title": [...], "sent_id": [...]}`;
+`hub_to_official` converts it. Every record is validated and a bad one raises; none is silently dropped.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+LABEL_FIELDS = ("answer", "supporting_facts", "type", "level")
+QUESTION_TYPES = ("bridge", "comparison")
+LEVELS = ("easy", "medium", "hard")
+SETTINGS = ("distractor", "fullwiki")
+
+
+def _fail(record: Any, index: int | None, message: str) -> ValueError:
+    record_id = record.get("_id") if isinstance(record, dict) else None
+    where = f"record {record_id!r}" if isinstance(record_id, str) else f"record at index {index}"
+    return ValueError(f"HotpotQA {where}: {message}")
+
+
+def validate_record(
+    record: Any, index: int | None = None, require_labels: bool = True, check_supporting_facts: bool = True
+) -> None:
+    """
+    Check that a record has HotpotQA's official layout; raise a `ValueError` naming the record `_id` (or its index
+    when it has no usable `_id`) and the field otherwise.
+
+    Args:
+        record (`dict`): the record.
+        index (`int`, *optional*): its position in the file, named in errors when `_id` is missing.
+        require_labels (`bool`, *optional*, defaults to `True`):
+            Whether `answer`, `supporting_facts`, `type` and `level` must be present. The official test file has
+            only `_id`, `question` and `context`; labels that are present are type-checked either way.
+        check_supporting_facts (`bool`, *optional*, defaults to `True`):
+            Whether every supporting fact must name a `context` paragraph and a sentence inside it. True in the
+            distractor setting; in the fullwiki setting the gold paragraphs may be missing from `context`.
+    """
+    if not isinstance(record, dict):
+        raise _fail(record, index, f"must be a JSON object (dict), got {type(record).__name__}.")
+    required = ("_id", "question", "context") + (LABEL_FIELDS if require_labels else ())
+    for name in required:
+        if name not in record:
+            raise _fail(record, index, f"missing field {name!r}.")
+    for name in ("_id", "question", "answer", "type", "level"):
+        if name in record and not isinstance(record[name], str):
+            raise _fail(record, index, f"field {name!r} must be a string, got {type(record[name]).__name__}.")
+    for name, allowed in (("type", QUESTION_TYPES), ("level", LEVELS)):
+        value = record.get(name)
+        if value is not None and value not in allowed and (require_labels or value != ""):
+            raise _fail(record, index, f"field {name!r} must be one of {allowed}, got {value!r}.")
+
+    context = record["context"]
+    if not isinstance(context, list):
+        raise _fail(
+            record, index, f"field 'context' must be a list of [title, sentences], got {type(context).__name__}."
+        )
+    paragraphs: dict[str, int] = {}
+    for i, paragraph in enumerate(context):
+        if not (isinstance(paragraph, list | tuple) and len(paragraph) == 2 and isinstance(paragraph[0], str)):
+            raise _fail(record, index, f"field 'context'[{i}] must be [title, [sentences]], got {paragraph!r:.120}.")
+        title, sentences = paragraph
+        if not isinstance(sentences, list | tuple) or not all(isinstance(s, str) for s in sentences):
+            raise _fail(record, index, f"field 'context'[{i}] ({title!r}): sentences must be a list of strings.")
+        paragraphs.setdefault(title, len(sentences))
+
+    if "supporting_facts" not in record:
+        return
+    facts = record["supporting_facts"]
+    if not isinstance(facts, list):
+        raise _fail(record, index, f"field 'supporting_facts' must be a list of [title, sent_id], got {facts!r:.120}.")
+    for i, fact in enumerate(facts):
+        valid = isinstance(fact, list | tuple) and len(fact) == 2 and isinstance(fact[0], str)
+        if not valid or not isinstance(fact[1], int) or isinstance(fact[1], bool):
+            raise _fail(record, index, f"field 'supporting_facts'[{i}] must be [title, sent_id], got {fact!r:.120}.")
+        if not check_supporting_facts:
+            continue
+        title, sent_id = fact
+        if title not in paragraphs:
+            raise _fail(
+                record,
+                index,
+                f"field 'supporting_facts'[{i}] names paragraph {title!r}, which is not in 'context' (pass "
+                "check_supporting_facts=False, or name='fullwiki', for data whose contexts may lack gold paragraphs).",
+            )
+        if not 0 <= sent_id < paragraphs[title]:
+            raise _fail(
+                record,
+                index,
+                f"field 'supporting_facts'[{i}] points at sentence {sent_id} of {title!r}, which has "
+                f"{paragraphs[title]} sentences (pass check_supporting_facts=False to skip this check).",
+            )
+
+
+def hub_to_official(record: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+    """
+    Convert a record of the Hub dataset `hotpotqa/hotpot_qa` to the official layout.
+
+    Args:
+        record (`dict`): a Hub row: `id`, `question`, `answer`, `type`, `level`,
+            `supporting_facts` = `{"title": [...], "sent_id": [...]}`, `context` = `{"title": [...], "sentences": [...]}`.
+        index (`int`, *optional*): its position, named in errors.
+
+    Returns:
+        `dict`: the record with `_id`, `answer`, `question`, `supporting_facts` (`[[title, sent_id], ...]`),
+        `context` (`[[title, [sentences]], ...]`), `type`, `level` (fields absent from the row stay absent).
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"Hub record at index {index} must be a dict, got {type(record).__name__}.")
+    where = f"Hub record {record.get('id', record.get('_id'))!r} (index {index})"
+    out: dict[str, Any] = {"_id": record.get("id", record.get("_id"))}
+    for name in ("answer", "question"):
+        if name in record:
+            out[name] = record[name]
+    for name, keys in (("supporting_facts", ("title", "sent_id")), ("context", ("title", "sentences"))):
+        if name not in record:
+            continue
+        value = record[name]
+        if isinstance(value, list):  # already in the official layout
+            out[name] = value
+            continue
+        if not isinstance(value, dict) or any(key not in value for key in keys):
+            raise ValueError(f"{where}: field {name!r} must be a dict with keys {keys}, got {value!r:.120}.")
+        first, second = (list(value[key]) for key in keys)
+        if len(first) != len(second):
+            raise ValueError(
+                f"{where}: field {name!r} has {len(first)} {keys[0]!r} entries but {len(second)} {keys[1]!r} entries."
+            )
+        out[name] = [[a, list(b) if name == "context" else b] for a, b in zip(first, second, strict=True)]
+    for name in ("type", "level"):
+        if name in record:
+            out[name] = record[name]
+    if out["_id"] is None:
+        del out["_id"]
+    return out
+
+
+def load_hotpotqa(
+    source: str | Path,
+    split: str = "validation",
+    name: str = "distractor",
+    limit: int | None = None,
+    require_labels: bool = True,
+) -> list[dict[str, Any]]:
+    """
+    Load HotpotQA records in the official layout, validating every one.
+
+    Args:
+        source (`str` or `Path`):
+            A local `.json` file (one array, as in the official release), a local `.jsonl` file (one record per
+            line), or a Hub dataset id such as `"hotpotqa/hotpot_qa"`.
+        split (`str`, *optional*, defaults to `"validation"`):
+            Hub split (ignored for local files).
+        name (`str`, *optional*, defaults to `"distractor"`):
+            The setting: `"distractor"` or `"fullwiki"`. For the Hub it is the dataset config; for every source it
+            decides whether supporting facts must point into `context` (distractor) or not (fullwiki).
+        limit (`int`, *optional*):
+            Keep only the first `limit` records.
+        require_labels (`bool`, *optional*, defaults to `True`):
+            Require `answer`, `supporting_facts`, `type` and `level` (set `False` for an unlabeled test file).
+
+    Returns:
+        `list[dict]`: the records, in file order.
+    """
+    if name not in SETTINGS:
+        raise ValueError(f"`name` must be one of {SETTINGS}, got {name!r}.")
+    if limit is not None and limit < 0:
+        raise ValueError(f"`limit` must be None or >= 0, got {limit}.")
+    path = Path(source)
+    suffix = path.suffix.lower()
+    if suffix in (".json", ".jsonl") or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"HotpotQA file {str(path)!r} does not exist.")
+        records = _read_local(path, suffix, limit)
+    else:
+        records = _read_hub(str(source), split, name, limit)
+    for index, record in enumerate(records):
+        validate_record(record, index, require_labels=require_labels, check_supporting_facts=name == "distractor")
+    return records
+
+
+def _read_local(path: Path, suffix: str, limit: int | None) -> list[dict[str, Any]]:
+    if suffix == ".jsonl":
+        records = []
+        with path.open(encoding="utf-8") as file:
+            for line_number, line in enumerate(file, start=1):
+                if limit is not None and len(records) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}: line {line_number} is not valid JSON ({err.msg}).") from None
+        return records
+    if suffix != ".json":
+        raise ValueError(f"{path}: unknown file type {suffix!r}; give a .json (array) or .jsonl (one record a line).")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}).") from None
+    if not isinstance(data, list):
+        raise ValueError(
+            f"{path} must hold a JSON array of records (HotpotQA's official layout), got {type(data).__name__}."
+        )
+    return data[:limit] if limit is not None else data
+
+
+def _read_hub(source: str, split: str, name: str, limit: int | None) -> list[dict[str, Any]]:
+    from datasets import load_dataset
+
+    dataset = load_dataset(source, name, split=split)
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    return [hub_to_official(row, index) for index, row in enumerate(dataset)]

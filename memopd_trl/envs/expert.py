@@ -1,0 +1,252 @@
+"""A scripted policy for the synthetic world, and the supervised traces it produces.
+
+The expert sees only what a model would see: the chat messages of the next call (the question, its latest memory and
+action, the latest observation). It knows the world's sentence templates, so it reads facts from the observation
+text; when a search misses, it has to search again, so its F1 reflects retrieval quality. It keeps in memory the fact
+sentences it has found, copied verbatim, and acts:
+
+- bridge question: search the named entity, keep its fact (which names the bridge entity), search the bridge entity,
+  keep its fact, answer;
+- comparison question: search the first entity, keep its fact, search the second, keep its fact, compare, answer.
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import ActionFormat, MemoryAgentEnv, parse_action
+from .synthetic import QUESTION_ENTITY_KIND, SyntheticWorld, find_fact, parse_question
+
+
+NO_FACTS_MEMORY = "No facts yet."
+# Words appended to a query that missed, per entity kind: the later, more specific tries.
+_RETRY_WORDS = {"film": ("film", "directed"), "company": ("company", "founded"), "person": ("born", "later lived")}
+
+
+class SyntheticExpert:
+    """
+    Scripted policy for `make_synthetic_world` questions, reading only the chat messages an agent would see.
+
+    Args:
+        action_format (`ActionFormat` or `str`, *optional*, defaults to `ActionFormat()`):
+            The tags to write (must match the environment's).
+        retries (`int`, *optional*, defaults to `1`):
+            How many times (0 to 2) a query that did not bring back the needed passage is tried again, with a word
+            of the entity's passage added, before the expert gives up and answers a guess.
+
+    Example:
+
+    ```python
+    >>> from memopd_trl.envs.expert import SyntheticExpert
+    >>> expert = SyntheticExpert()
+    >>> expert([{"role": "system", "content": "..."},
+    ...         {"role": "user", "content": "Question: Where was the director of Kalo Venu born?"}])
+    '<memory>No facts yet.</memory><search>Kalo Venu</search>'
+    ```
+    """
+
+    def __init__(self, action_format: ActionFormat | str | None = None, retries: int = 1):
+        if isinstance(action_format, str):
+            action_format = ActionFormat.preset(action_format)
+        self.action_format = action_format or ActionFormat()
+        if not 0 <= retries <= 2:
+            raise ValueError(f"`retries` must be 0, 1 or 2, got {retries}.")
+        self.retries = retries
+
+    def __call__(self, messages: list[dict[str, str]]) -> str:
+        return self.act(messages)
+
+    def act(self, messages: list[dict[str, str]]) -> str:
+        """
+        Choose the next action.
+
+        Args:
+            messages (`list[dict]`): the chat messages of the next model call, as `MemoryAgentEnv.messages()` builds
+                them (any memory policy).
+
+        Returns:
+            `str`: the action text, `<memory>...</memory>` then one `<search>` or `<answer>` block.
+        """
+        task, last_action, observation = _split_messages(messages)
+        parsed_question = parse_question(task)
+        if parsed_question is None:
+            raise ValueError(
+                "SyntheticExpert only plays synthetic-world questions; no known question template was found in the "
+                f"task message {task[:200]!r}."
+            )
+        template, entities = parsed_question
+        previous = parse_action(last_action, self.action_format) if last_action is not None else None
+        memory_text = previous.memory if previous is not None and previous.memory else ""
+        last_query = previous.argument if previous is not None and previous.kind == "search" else None
+        known = memory_text + "\n" + observation  # memory first: facts already kept win
+
+        needed = _needed_entities(template, entities, known)
+        facts = [fact for _, _, fact in needed if fact is not None]
+        memory = " ".join(f["sentence"] for f in facts) or NO_FACTS_MEMORY
+        missing = [(name, kind) for name, kind, fact in needed if fact is None]
+        if not missing:
+            return self.action_format.render_action(memory, "answer", _answer(template, entities, facts))
+        name, kind = missing[0]
+        tries = _query_tries(name, kind, self.retries)
+        if last_query in tries:  # this entity was just searched and its passage did not come back
+            position = tries.index(last_query)
+            if position + 1 == len(tries):
+                return self.action_format.render_action(memory, "answer", _guess(template, entities, facts))
+            return self.action_format.render_action(memory, "search", tries[position + 1])
+        return self.action_format.render_action(memory, "search", tries[0])
+
+
+def _split_messages(messages: list[dict[str, str]]) -> tuple[str, str | None, str]:
+    """Returns the task (first user message), the latest assistant message (or None) and what followed it."""
+    if not messages:
+        raise ValueError("`messages` is empty; pass the chat messages returned by the environment.")
+    user_indices = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    if not user_indices:
+        raise ValueError("`messages` holds no user message with the task.")
+    task = messages[user_indices[0]]["content"]
+    assistant_indices = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not assistant_indices:
+        return task, None, ""
+    last = assistant_indices[-1]
+    observation = "\n".join(m["content"] for m in messages[last + 1 :])
+    return task, messages[last]["content"], observation
+
+
+def _needed_entities(
+    template: str, entities: tuple[str, ...], known: str
+) -> list[tuple[str, str, dict[str, str] | None]]:
+    """The facts the question needs, in the order they are searched: `(name, kind, fact or None)`."""
+    kind = QUESTION_ENTITY_KIND[template]
+    if len(entities) == 2:  # comparison: one fact per named entity
+        return [(name, kind, find_fact(kind, name, known)) for name in entities]
+    head = find_fact(kind, entities[0], known)
+    needed = [(entities[0], kind, head)]
+    if head is not None:  # the bridge entity is named in the head entity's fact
+        bridge = head["director"] if kind == "film" else head["founder"]
+        needed.append((bridge, "person", find_fact("person", bridge, known)))
+    return needed
+
+
+def _query_tries(name: str, kind: str, retries: int) -> list[str]:
+    return [name] + [f"{name} {word}" for word in _RETRY_WORDS[kind][:retries]]
+
+
+def _answer(template: str, entities: tuple[str, ...], facts: list[dict[str, str]]) -> str:
+    if template in ("director_birthplace", "founder_birthplace"):
+        return facts[-1]["city"]
+    if template == "director_occupation":
+        return facts[-1]["occupation"]
+    a, b = facts
+    if template == "same_birthplace":
+        return "yes" if a["city"] == b["city"] else "no"
+    earlier, later = (a, b) if int(a["year"]) < int(b["year"]) else (b, a)
+    return (earlier if template == "founded_first" else later)["name"]
+
+
+def _guess(template: str, entities: tuple[str, ...], facts: list[dict[str, str]]) -> str:
+    """An answer when a needed passage never came back: the right kind of string, rarely right."""
+    if template == "same_birthplace":
+        return "no"
+    if len(entities) == 2:
+        return entities[0]
+    return "unknown"
+
+
+@dataclass
+class ExpertEpisode:
+    """
+    One episode played by the expert.
+
+    Parameters:
+        record_id (`str`): the record's `_id`.
+        steps (`list[tuple[list[dict], str]]`): per turn, the chat messages the expert saw and the action it wrote.
+        f1 (`float`): answer F1 (0 when the episode ended without an answer).
+        em (`float`): answer exact match.
+        reward (`float`): the environment's final reward.
+        queries (`list[str]`): the search queries, in order.
+        info (`dict`): the environment's end reason and counters.
+    """
+
+    record_id: str
+    steps: list[tuple[list[dict[str, str]], str]]
+    f1: float = 0.0
+    em: float = 0.0
+    reward: float = 0.0
+    queries: list[str] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def sft_examples(self) -> list[dict[str, list[dict[str, str]]]]:
+        """
+        Returns:
+            `list[dict]`: one conversational prompt-completion example per turn,
+            `{"prompt": messages, "completion": [{"role": "assistant", "content": action}]}` (TRL's SFT format).
+        """
+        return [
+            {"prompt": [dict(m) for m in messages], "completion": [{"role": "assistant", "content": action}]}
+            for messages, action in self.steps
+        ]
+
+
+def play_episode(
+    env: MemoryAgentEnv, record: dict[str, Any], policy: Callable[[list[dict[str, str]]], str]
+) -> ExpertEpisode:
+    """
+    Play one episode of `policy` (a function from chat messages to action text) in `env`.
+
+    Returns:
+        `ExpertEpisode`: the turns, the queries and the scores.
+    """
+    messages = env.reset(record)
+    steps, queries = [], []
+    while not env.done:
+        action = policy(messages)
+        steps.append((messages, action))
+        result = env.step(action)
+        if result.info.get("kind") == "search":
+            queries.append(parse_action(action, env.action_format).argument)
+        if not result.done:
+            messages = env.messages()
+    info = {
+        "end_reason": env.end_reason,
+        "num_malformed": env.num_malformed,
+        "num_retriever_errors": env.num_retriever_errors,
+    }
+    return ExpertEpisode(record.get("_id", ""), steps, env.f1, env.em, env.reward, queries, info)
+
+
+def expert_trajectories(
+    world: SyntheticWorld | Iterable[dict[str, Any]],
+    env_factory: Callable[[], MemoryAgentEnv],
+    expert: SyntheticExpert | None = None,
+    limit: int | None = None,
+    min_f1: float | None = None,
+) -> list[ExpertEpisode]:
+    """
+    Play the scripted expert on the world's questions: the traces a teacher is fine-tuned on.
+
+    Args:
+        world (`SyntheticWorld` or `Iterable[dict]`):
+            The world, or its records.
+        env_factory (`Callable[[], MemoryAgentEnv]`):
+            Makes the environment, e.g. `HotpotQAEnv.factory(corpus=world.corpus)`.
+        expert (`SyntheticExpert`, *optional*):
+            The policy; defaults to one using the environment's action format.
+        limit (`int`, *optional*):
+            Play only the first `limit` questions.
+        min_f1 (`float`, *optional*):
+            Keep only episodes whose answer F1 is at least this (e.g. `1.0` for clean SFT data); all by default.
+
+    Returns:
+        `list[ExpertEpisode]`: one per question played (and kept), in order.
+    """
+    records = world.records if isinstance(world, SyntheticWorld) else list(world)
+    if limit is not None:
+        records = records[:limit]
+    env = env_factory()
+    expert = expert or SyntheticExpert(env.action_format)
+    episodes = []
+    for record in records:
+        episode = play_episode(env, record, expert)
+        if min_f1 is None or episode.f1 >= min_f1:
+            episodes.append(episode)
+    return episodes

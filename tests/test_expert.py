@@ -1,0 +1,138 @@
+import statistics
+
+import pytest
+
+from memopd_trl.envs.base import ActionFormat, parse_action
+from memopd_trl.envs.expert import NO_FACTS_MEMORY, SyntheticExpert, expert_trajectories, play_episode
+from memopd_trl.envs.hotpot import HotpotQAEnv
+from memopd_trl.envs.retrieval import BM25Retriever
+from memopd_trl.envs.synthetic import make_synthetic_world, parse_question
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_synthetic_world(500, seed=5)
+
+
+@pytest.fixture(scope="module")
+def retriever(world):
+    return BM25Retriever(world.corpus)
+
+
+class ForgetfulRetriever:
+    """Wraps a retriever and returns nothing for the first `misses` searches of each query."""
+
+    def __init__(self, retriever, misses):
+        self.retriever, self.misses, self.seen = retriever, misses, {}
+
+    def search(self, query, top_k=3):
+        name = " ".join(query.split()[:2])
+        self.seen[name] = self.seen.get(name, 0) + 1
+        return [] if self.seen[name] <= self.misses else self.retriever.search(query, top_k)
+
+
+def first_of(world, template):
+    return next(r for r in world.records if parse_question(r["question"])[0] == template)
+
+
+def test_expert_reaches_f1_095_on_500_questions_with_the_compact_policy(world, retriever):
+    episodes = expert_trajectories(world, HotpotQAEnv.factory(retriever=retriever, memory_policy="compact"))
+    assert len(episodes) == 500
+    mean_f1 = statistics.mean(e.f1 for e in episodes)
+    assert mean_f1 >= 0.95, mean_f1
+    assert all(e.info["num_malformed"] == 0 for e in episodes)
+    assert statistics.mean(len(e.steps) for e in episodes) <= 3.2
+
+
+def test_gold_passage_of_expert_queries_is_in_the_top_5(world, retriever):
+    episodes = expert_trajectories(world, HotpotQAEnv.factory(retriever=retriever), limit=200)
+    queries = [q for e in episodes for q in e.queries]
+    titles = {p["title"] for p in world.corpus}
+    assert all(q in titles for q in queries)  # the expert searches entity names, each the title of its passage
+    hits = retriever.search_batch(queries, top_k=5)
+    recall = sum(q in {h["title"] for h in found} for q, found in zip(queries, hits, strict=True)) / len(queries)
+    assert recall >= 0.95
+
+
+def test_bridge_episode_searches_the_entity_then_the_bridge_entity_then_answers(world, retriever):
+    record = first_of(world, "director_birthplace")
+    episode = play_episode(HotpotQAEnv(retriever), record, SyntheticExpert())
+    head, bridge = (title for title, _ in record["supporting_facts"])
+    actions = [parse_action(action, ActionFormat()) for _, action in episode.steps]
+    assert [(a.kind, a.argument) for a in actions] == [
+        ("search", head),
+        ("search", bridge),
+        ("answer", record["answer"]),
+    ]
+    assert actions[0].memory == NO_FACTS_MEMORY
+    assert bridge in actions[1].memory and head in actions[1].memory  # the fact naming the bridge is kept
+    assert record["answer"] in actions[2].memory
+    assert episode.f1 == 1.0 and episode.reward == 1.0
+
+
+@pytest.mark.parametrize("template", ["founded_first", "released_later", "same_birthplace"])
+def test_comparison_episode_searches_both_entities_then_compares(world, retriever, template):
+    record = first_of(world, template)
+    episode = play_episode(HotpotQAEnv(retriever), record, SyntheticExpert())
+    a, b = (title for title, _ in record["supporting_facts"])
+    assert episode.queries == [a, b]
+    last = parse_action(episode.steps[-1][1], ActionFormat())
+    assert last.kind == "answer" and last.argument == record["answer"]
+    assert a in last.memory and b in last.memory
+
+
+def test_expert_only_reads_the_messages_it_is_given(world, retriever):
+    record = first_of(world, "founder_birthplace")
+    episode = play_episode(HotpotQAEnv(retriever), record, SyntheticExpert())
+    fresh = SyntheticExpert()
+    for messages, action in episode.steps:
+        assert fresh(messages) == action  # stateless: the same messages give the same action
+
+
+def test_expert_works_with_the_persistent_policy_and_the_mem1_format(world, retriever):
+    for kwargs in ({"memory_policy": "persistent"}, {"action_format": "mem1"}):
+        episodes = expert_trajectories(world, HotpotQAEnv.factory(retriever=retriever, **kwargs), limit=30)
+        assert statistics.mean(e.f1 for e in episodes) == 1.0
+    mem1_episode = expert_trajectories(world, HotpotQAEnv.factory(retriever=retriever, action_format="mem1"), limit=1)
+    assert mem1_episode[0].steps[0][1].startswith("<think>")
+
+
+def test_a_missed_search_is_retried_then_the_expert_guesses(world, retriever):
+    record = first_of(world, "director_birthplace")
+    head = record["supporting_facts"][0][0]
+    once = play_episode(HotpotQAEnv(ForgetfulRetriever(retriever, misses=1)), record, SyntheticExpert())
+    assert once.queries[:2] == [head, f"{head} film"] and once.f1 == 1.0
+    never = play_episode(HotpotQAEnv(ForgetfulRetriever(retriever, misses=99)), record, SyntheticExpert(retries=2))
+    assert never.queries == [head, f"{head} film", f"{head} directed"]
+    assert parse_action(never.steps[-1][1], ActionFormat()).argument == "unknown" and never.f1 == 0.0
+
+
+def test_expert_f1_reflects_retrieval_quality(world, retriever):
+    make = HotpotQAEnv.factory(retriever=ForgetfulRetriever(retriever, misses=99))
+    episodes = expert_trajectories(world, make, limit=40)
+    assert statistics.mean(e.f1 for e in episodes) < 0.5  # only lucky comparison guesses score
+
+
+def test_sft_examples_pair_each_context_with_the_action(world, retriever):
+    episode = expert_trajectories(world, HotpotQAEnv.factory(retriever=retriever), limit=1)[0]
+    examples = episode.sft_examples()
+    assert len(examples) == len(episode.steps)
+    for example, (messages, action) in zip(examples, episode.steps, strict=True):
+        assert example["prompt"] == messages and example["prompt"] is not messages
+        assert example["completion"] == [{"role": "assistant", "content": action}]
+    assert examples[0]["prompt"][-1]["role"] == "user" and examples[1]["prompt"][-1]["content"].startswith(
+        "<information>"
+    )
+
+
+def test_min_f1_keeps_only_good_episodes(world, retriever):
+    make = HotpotQAEnv.factory(retriever=ForgetfulRetriever(retriever, misses=99))
+    episodes = expert_trajectories(world.records[:20], make, min_f1=1.0)
+    assert all(e.f1 == 1.0 for e in episodes) and len(episodes) < 20
+
+
+def test_expert_rejects_tasks_outside_the_synthetic_world():
+    with pytest.raises(ValueError, match="only plays synthetic-world questions"):
+        SyntheticExpert()([{"role": "user", "content": "Question: Who wrote Hamlet?"}])
+    with pytest.raises(ValueError, match="retries"):
+        SyntheticExpert(retries=5)
