@@ -1,0 +1,78 @@
+"""Shared test fixtures: a tiny local tokenizer, tiny random models, the HotpotQA sample records.
+
+Session-scoped objects are shared by every test: never train or modify them in place. Build a private model with
+`make_tiny_model` when a test changes weights or configs.
+"""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from memopd_trl.modeling import build_tiny_model
+from memopd_trl.tokenizer import build_tokenizer
+
+
+HOTPOT_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
+
+# A small, fixed, HotpotQA-flavoured corpus: enough to train a few hundred merges.
+TOKENIZER_TEXTS = [
+    "Paris is the capital and most populous city of France.",
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",
+    "Marie Curie was a Polish and naturalised-French physicist and chemist who conducted research on radioactivity.",
+    "Which city is the capital of the country where the Eiffel Tower stands?",
+    "Were Marie Curie and Pierre Curie both born in France?",
+    "The Danube is the second-longest river in Europe, after the Volga.",
+    "Ludwig van Beethoven was a German composer and pianist born in Bonn in 1770.",
+    "Who was born first, Ludwig van Beethoven or Wolfgang Amadeus Mozart?",
+    "Mozart was born in Salzburg in 1756 and composed more than 800 works.",
+    "The Great Wall of China is a series of fortifications built across northern China.",
+    "Is the Danube longer than the Rhine?",
+    "The Rhine flows from the Swiss Alps to the North Sea through Germany and the Netherlands.",
+    "no answer yes the a an of in on to from by with and or",
+] * 4
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (about 512 tokens) with ChatML template and the action tags of every preset."""
+    return build_tokenizer(TOKENIZER_TEXTS, vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tiny_tokenizer) -> Callable:
+    """
+    Returns a function building a fresh tiny causal LM sized to `tiny_tokenizer`: hidden 32, 1 layer, Qwen2 by
+    default; keyword arguments go to `build_tiny_model` (e.g. `architecture="llama"`, `seed=1`).
+    """
+
+    def make(**kwargs):
+        settings = {
+            "vocab_size": len(tiny_tokenizer),
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "pad_token_id": tiny_tokenizer.pad_token_id,
+            "eos_token_id": tiny_tokenizer.eos_token_id,
+        }
+        settings.update(kwargs)
+        return build_tiny_model(**settings)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(make_tiny_model):
+    """A shared tiny random Qwen2 model (hidden 32, 1 layer, sdpa, fp32, eval mode). Read-only: do not train it."""
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def hotpot_sample_records() -> list[dict]:
+    """The 53 real HotpotQA dev (distractor) records of the shared sample; the test is skipped when it is absent."""
+    if not HOTPOT_SAMPLE.exists():
+        pytest.skip(f"HotpotQA sample not found at {HOTPOT_SAMPLE} (it lives in shared/data beside the repository).")
+    with HOTPOT_SAMPLE.open() as f:
+        return json.load(f)
