@@ -1,0 +1,830 @@
+"""Losses and advantage estimators of MemOPD: pure functions of tensors.
+
+Nothing here knows about models, trainers or environments. Every per-token input lives on *action tokens only*, in
+the canonical flat order of the packing collator (invocation order, then token order inside `output_ids`), so `N`
+below is the total number of sampled tokens in a batch.
+
+- [`generalized_jsd_loss`]: the generalized Jensen-Shannon divergence between teacher and student next-token
+  distributions, on materialized logits (same call and same values as TRL's `GKDTrainer.generalized_jsd_loss`).
+- [`chunked_generalized_jsd`]: the same divergence per action token, computed from hidden states and LM-head weights
+  in token chunks, so the `(N, vocab_size)` logits of either model never exist at once. This is what the trainer uses.
+- [`ppo_clip_loss`], [`kl_penalty`], [`value_loss`]: the reinforcement-learning terms.
+- [`group_normalized_advantages`], [`gae_advantages`], [`broadcast_to_tokens`]: advantage estimators and helpers.
+
+Why a hand-written chunked function rather than TRL's `ChunkedDivergenceFunction` (measured on CPU, fp32, forward +
+backward of 2048 action tokens at 32k vocabulary; `docs/benchmarks.md`, section "Distillation loss memory"):
+
+- full logits: 3.8 GiB; TRL with its default tiles (4096 tokens x 32768 entries, module-level constants): 3.3 GiB;
+  TRL with small tiles (256 x 4096): about 0.3 GiB, but only by patching its module globals for the whole process, and
+  it was the slowest on CPU; `torch.utils.checkpoint` around each chunk's autograd graph: 0.55-2 GiB, since the
+  recomputed chunk keeps every intermediate;
+- this function: about 0.2-0.4 GiB at `chunk_size=256` and 0.6 GiB at 1024, and the fastest of all.
+
+It takes the token chunk as an argument, keeps the whole vocabulary in one tile (one LM-head matmul per model and one
+pass per chunk), saves only its inputs, and writes the student gradient in closed form in the backward pass, so the
+backward holds the same few tiles as the forward. Its memory grows with `chunk_size * vocab_size`, not with the number
+of tokens; at very large vocabularies TRL's vocabulary tiling can go lower (0.4 vs 0.8 GiB at 152k entries and a 256
+token chunk), which a second vocabulary-tiled pass could match here if it ever matters.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+_REDUCTIONS = ("batchmean", "sum", "mean", "none")
+_PPO_AGGREGATIONS = ("token_mean", "sequence_mean")
+_KL_KINDS = ("k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Argument checks shared by the functions below
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _check_beta_temperature(beta: float, temperature: float, where: str) -> None:
+    if not 0.0 <= float(beta) <= 1.0:
+        raise ValueError(
+            f"{where}: `beta` must be in [0, 1] (0 = forward KL(teacher || student), 1 = reverse KL(student || "
+            f"teacher)), got {beta}."
+        )
+    if not float(temperature) > 0.0:
+        raise ValueError(f"{where}: `temperature` must be > 0, got {temperature}.")
+
+
+def _check_same_1d(where: str, **tensors: torch.Tensor | None) -> int:
+    """Checks that every given tensor is 1-D and that they share one length; returns that length."""
+    length = None
+    first_name = None
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        if tensor.dim() != 1:
+            raise ValueError(f"{where}: `{name}` must be 1-D (one value per token), got shape {tuple(tensor.shape)}.")
+        if length is None:
+            length, first_name = tensor.shape[0], name
+        elif tensor.shape[0] != length:
+            raise ValueError(
+                f"{where}: `{name}` has {tensor.shape[0]} entries but `{first_name}` has {length}; give one value per "
+                "token for each."
+            )
+    return 0 if length is None else length
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Distillation: generalized Jensen-Shannon divergence
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _pointwise_generalized_jsd(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, beta: float):
+    """
+    Per-vocabulary-entry terms of the generalized JSD between two log-distributions (same shape, last dim = vocab).
+
+    Summed over the last dimension they give `beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)` with the mixture
+    `m = (1 - beta) * p_s + beta * p_t`; `beta = 0` is KL(p_t || p_s) and `beta = 1` is KL(p_s || p_t).
+    """
+    if beta == 0.0:
+        return teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)
+    if beta == 1.0:
+        return student_log_probs.exp() * (student_log_probs - teacher_log_probs)
+    log_mixture = torch.logaddexp(student_log_probs + math.log1p(-beta), teacher_log_probs + math.log(beta))
+    teacher_term = teacher_log_probs.exp() * (teacher_log_probs - log_mixture)
+    student_term = student_log_probs.exp() * (student_log_probs - log_mixture)
+    return beta * teacher_term + (1.0 - beta) * student_term
+
+
+def generalized_jsd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """
+    Generalized Jensen-Shannon divergence between the teacher's and the student's next-token distributions (Eq. 1 of
+    "On-Policy Distillation of Language Models", arXiv:2306.13649), on materialized logits.
+
+    With `p_s = softmax(student_logits / temperature)`, `p_t = softmax(teacher_logits / temperature)` and the mixture
+    `m = (1 - beta) * p_s + beta * p_t`, the divergence per token is `beta * KL(p_t || m) + (1 - beta) * KL(p_s || m)`.
+    `beta = 0` is the forward KL(p_t || p_s) and `beta = 1` the reverse KL(p_s || p_t). Takes the same arguments and
+    returns the same values as TRL's `GKDTrainer.generalized_jsd_loss`.
+
+    Gradients flow into both logits tensors; pass `teacher_logits` detached (or computed under `torch.no_grad()`).
+    For action-position losses on real vocabularies prefer [`chunked_generalized_jsd`], which never materializes
+    `(N, vocab_size)` logits.
+
+    Args:
+        student_logits (`torch.Tensor` of shape `(batch_size, seq_len, vocab_size)` or `(num_tokens, vocab_size)`):
+            Student logits.
+        teacher_logits (`torch.Tensor`, same shape as `student_logits`):
+            Teacher logits.
+        labels (`torch.Tensor` of shape `student_logits.shape[:-1]`, *optional*, defaults to `None`):
+            Positions holding `-100` are left out of the loss.
+        beta (`float`, *optional*, defaults to `0.5`):
+            Interpolation coefficient in `[0, 1]`.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Softmax temperature, `> 0`, applied to both logits.
+        reduction (`str`, *optional*, defaults to `"batchmean"`):
+            - `"batchmean"`: sum over everything, divided by the number of unmasked tokens when `labels` is given
+              (at least 1), else by `student_logits.shape[0]`.
+            - `"sum"`: sum over everything.
+            - `"mean"`: mean over every kept (token, vocabulary entry) pair, as `torch.nn.functional.kl_div` does;
+              0 when nothing is kept (TRL returns NaN there).
+            - `"none"`: no reduction (see Returns).
+        num_items_in_batch (`int` or `torch.Tensor`, *optional*, defaults to `None`):
+            When given, overrides `reduction`: the sum is divided by this global token count (gradient accumulation).
+
+    Returns:
+        `torch.Tensor`: a scalar, or for `reduction="none"` the per-entry divergence terms, of the logits' shape
+        without `labels`, or `(num_kept_tokens, vocab_size)` with `labels`. Summing them over the last dimension gives
+        the per-token divergence.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl import generalized_jsd_loss
+    >>> student, teacher = torch.tensor([[2.0, 0.0, -1.0]]), torch.tensor([[0.0, 1.0, 0.0]])
+    >>> round(generalized_jsd_loss(student, teacher, beta=0.0).item(), 4)  # KL(teacher || student)
+    0.9826
+    >>> round(generalized_jsd_loss(student, teacher).item(), 4)
+    0.2167
+    ```
+    """
+    where = "generalized_jsd_loss"
+    _check_beta_temperature(beta, temperature, where)
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{where}: `reduction` must be one of {_REDUCTIONS}, got {reduction!r}.")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"{where}: `student_logits` has shape {tuple(student_logits.shape)} but `teacher_logits` has shape "
+            f"{tuple(teacher_logits.shape)}; both models must score the same positions over the same vocabulary."
+        )
+    if student_logits.dim() < 2:
+        raise ValueError(
+            f"{where}: logits must have a vocabulary dimension last, got shape {tuple(student_logits.shape)}."
+        )
+    if labels is not None and labels.shape != student_logits.shape[:-1]:
+        raise ValueError(
+            f"{where}: `labels` has shape {tuple(labels.shape)}, expected {tuple(student_logits.shape[:-1])} (the "
+            "logits' shape without the vocabulary dimension)."
+        )
+
+    student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
+    teacher_log_probs = F.log_softmax(teacher_logits / temperature, dim=-1)
+    divergence = _pointwise_generalized_jsd(student_log_probs, teacher_log_probs, float(beta))
+
+    if labels is not None:
+        kept = labels != -100
+        divergence = divergence[kept]  # (num_kept_tokens, vocab_size)
+
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(divergence.device)
+        return divergence.sum() / num_items_in_batch
+    if reduction == "batchmean":
+        denominator = kept.sum().clamp_min(1) if labels is not None else max(divergence.shape[0], 1)
+        return divergence.sum() / denominator
+    if reduction == "sum":
+        return divergence.sum()
+    if reduction == "mean":
+        return divergence.mean() if divergence.numel() > 0 else divergence.sum()
+    return divergence
+
+
+def _cast_head(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM-head weight and bias in the dtype of the matmul (no copy when already in it)."""
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _log_probs_tile(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
+    """LM head on a chunk of hidden states in the weight's dtype, then a log-softmax in (at least) fp32: `(chunk, V)`."""
+    logits = F.linear(hidden.to(weight.dtype), weight, bias)
+    logits = logits.to(torch.promote_types(weight.dtype, torch.float32))  # (chunk, vocab_size)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits.sub_(logits.logsumexp(dim=-1, keepdim=True))
+
+
+def _tile_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, beta: float) -> torch.Tensor:
+    """
+    Per-token generalized JSD of one tile, `(chunk,)`, from `(chunk, vocab_size)` fp32 log-distributions.
+
+    Same maths as [`_pointwise_generalized_jsd`] summed over the vocabulary, written with in-place operations so a tile
+    needs at most four `(chunk, vocab_size)` buffers. Overwrites both inputs.
+    """
+    if beta == 0.0:
+        teacher_probs = teacher_log_probs.exp()
+        return teacher_probs.mul_(teacher_log_probs.sub_(student_log_probs)).sum(-1)
+    if beta == 1.0:
+        student_probs = student_log_probs.exp()
+        return student_probs.mul_(student_log_probs.sub_(teacher_log_probs)).sum(-1)
+    log_mixture = student_log_probs + math.log1p(-beta)
+    torch.logaddexp(log_mixture, teacher_log_probs + math.log(beta), out=log_mixture)  # (chunk, V)
+    teacher_probs = teacher_log_probs.exp()
+    teacher_term = teacher_probs.mul_(teacher_log_probs.sub_(log_mixture)).sum(-1)  # KL(p_t || m), (chunk,)
+    del teacher_probs
+    student_probs = student_log_probs.exp()
+    student_term = student_probs.mul_(student_log_probs.sub_(log_mixture)).sum(-1)  # KL(p_s || m), (chunk,)
+    return beta * teacher_term + (1.0 - beta) * student_term
+
+
+def _tile_grad_logits(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, beta: float) -> torch.Tensor:
+    """
+    Gradient of the per-token divergence with respect to the student's scaled logits `z_s / temperature`, for one
+    tile: `(chunk, vocab_size)` fp32. Overwrites both inputs.
+
+    With `p_s`, `p_t` the two distributions and `m = (1 - beta) p_s + beta p_t`:
+    `beta = 0` (KL(p_t || p_s)) gives `p_s - p_t`; `beta = 1` (KL(p_s || p_t)) gives `p_s * (log p_s - log p_t - KL)`;
+    otherwise `(1 - beta) * p_s * (log p_s - log m - KL(p_s || m))`, since the terms through `m` cancel.
+    """
+    if beta == 0.0:
+        return student_log_probs.exp_().sub_(teacher_log_probs.exp_())
+    if beta == 1.0:
+        student_probs = student_log_probs.exp()
+        log_ratio = student_log_probs.sub_(teacher_log_probs)  # log p_s - log p_t
+        scale = 1.0
+    else:
+        log_mixture = teacher_log_probs.add_(math.log(beta))
+        torch.logaddexp(log_mixture, student_log_probs + math.log1p(-beta), out=log_mixture)  # log m, (chunk, V)
+        student_probs = student_log_probs.exp()
+        log_ratio = student_log_probs.sub_(log_mixture)  # log p_s - log m
+        del log_mixture
+        scale = 1.0 - beta
+    kl = (student_probs * log_ratio).sum(-1, keepdim=True)  # (chunk, 1)
+    return student_probs.mul_(log_ratio.sub_(kl)).mul_(scale)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    # Under autocast the LM-head matmul runs in the autocast dtype, as it would inside the model; otherwise in the
+    # weight's dtype. The softmax maths always runs in fp32.
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+class _ChunkedGeneralizedJSD(torch.autograd.Function):
+    """
+    Per-token generalized JSD from hidden states and LM-head weights, one token chunk at a time.
+
+    Forward: for each chunk, both log-distributions `(chunk, vocab_size)` are formed in fp32, reduced to one number per
+    token and dropped; only the inputs are saved. Backward: each chunk's tiles are recomputed and the gradient with
+    respect to the student's logits is written in closed form ([`_tile_grad_logits`]), then sent through the LM head.
+    The teacher side is a constant and never receives a gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        student_hidden: torch.Tensor,  # (N, H_s)
+        student_weight: torch.Tensor,  # (V, H_s)
+        student_bias: torch.Tensor | None,  # (V,)
+        teacher_hidden: torch.Tensor,  # (N, H_t)
+        teacher_weight: torch.Tensor,  # (V, H_t)
+        teacher_bias: torch.Tensor | None,  # (V,)
+        beta: float,
+        temperature: float,
+        chunk_size: int,
+    ) -> torch.Tensor:
+        num_tokens = student_hidden.shape[0]
+        student_dtype = _compute_dtype(student_hidden, student_weight)
+        teacher_dtype = _compute_dtype(teacher_hidden, teacher_weight)
+        tile_dtype = torch.promote_types(torch.promote_types(student_dtype, teacher_dtype), torch.float32)
+        divergence = torch.empty(num_tokens, device=student_hidden.device, dtype=tile_dtype)  # (N,)
+        with torch.autocast(student_hidden.device.type, enabled=False):
+            student_head = _cast_head(student_weight, student_bias, student_dtype)  # (V, H_s), (V,)
+            teacher_head = _cast_head(teacher_weight, teacher_bias, teacher_dtype)  # (V, H_t), (V,)
+            for start in range(0, num_tokens, chunk_size):
+                end = min(start + chunk_size, num_tokens)
+                student_log_probs = _log_probs_tile(student_hidden[start:end], *student_head, temperature)  # (c, V)
+                teacher_log_probs = _log_probs_tile(teacher_hidden[start:end], *teacher_head, temperature)  # (c, V)
+                divergence[start:end] = _tile_divergence(
+                    student_log_probs.to(tile_dtype), teacher_log_probs.to(tile_dtype), beta
+                )
+                del student_log_probs, teacher_log_probs
+        ctx.save_for_backward(
+            student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias
+        )
+        ctx.settings = (beta, temperature, chunk_size, student_dtype, teacher_dtype)
+        return divergence
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_divergence: torch.Tensor):
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias = ctx.saved_tensors
+        beta, temperature, chunk_size, student_dtype, teacher_dtype = ctx.settings
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        num_tokens = student_hidden.shape[0]
+        # Accumulate in (at least) fp32 whatever the inputs' dtype.
+        acc_dtype = torch.promote_types(student_dtype, torch.float32)
+        grad_divergence = grad_divergence.to(acc_dtype)  # (N,)
+        device = student_hidden.device
+        grad_hidden = torch.zeros(student_hidden.shape, device=device, dtype=acc_dtype) if needs_hidden else None
+        grad_weight = torch.zeros(student_weight.shape, device=device, dtype=acc_dtype) if needs_weight else None
+        grad_bias = torch.zeros(student_bias.shape, device=device, dtype=acc_dtype) if needs_bias else None
+
+        with torch.autocast(student_hidden.device.type, enabled=False):
+            student_head = _cast_head(student_weight, student_bias, student_dtype)  # (V, H_s), (V,)
+            teacher_head = _cast_head(teacher_weight, teacher_bias, teacher_dtype)  # (V, H_t), (V,)
+            for start in range(0, num_tokens, chunk_size):
+                end = min(start + chunk_size, num_tokens)
+                student_log_probs = _log_probs_tile(student_hidden[start:end], *student_head, temperature)  # (c, V)
+                teacher_log_probs = _log_probs_tile(teacher_hidden[start:end], *teacher_head, temperature)  # (c, V)
+                teacher_log_probs = teacher_log_probs.to(student_log_probs.dtype)
+                grad_logits = _tile_grad_logits(student_log_probs, teacher_log_probs, beta)  # (chunk, V)
+                del student_log_probs, teacher_log_probs
+                # Chain rule: through the temperature scaling and the upstream gradient of each token.
+                grad_logits.mul_(grad_divergence[start:end, None] / temperature)
+                if grad_hidden is not None:
+                    grad_hidden[start:end] = grad_logits.to(student_dtype) @ student_head[0]  # (chunk, H_s)
+                if grad_weight is not None:
+                    # In place, in the accumulation dtype: no (V, H_s) temporary per chunk.
+                    grad_weight.addmm_(grad_logits.t(), student_hidden[start:end].to(acc_dtype))
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(0)
+                del grad_logits
+
+        return (
+            None if grad_hidden is None else grad_hidden.to(student_hidden.dtype),
+            None if grad_weight is None else grad_weight.to(student_weight.dtype),
+            None if grad_bias is None else grad_bias.to(student_bias.dtype),
+            *(None,) * 6,
+        )
+
+
+def chunked_generalized_jsd(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """
+    Per-token generalized JSD between teacher and student over the full vocabulary, from hidden states at the action
+    positions and the two LM heads, computed in token chunks.
+
+    Equals `generalized_jsd_loss(student_hidden @ student_weight.T + student_bias, teacher_hidden @ teacher_weight.T +
+    teacher_bias, beta=beta, temperature=temperature, reduction="none").sum(-1)`, but never holds more than a few
+    `(chunk_size, vocab_size)` fp32 tiles: the logits of a chunk are recomputed in the backward pass instead of being
+    stored. The gradient flows into the student side only (`student_hidden`, `student_weight`, `student_bias`, each
+    when it requires grad); the teacher tensors are constants. The LM-head matmul runs in the weight's dtype (or the
+    autocast dtype) like the model's own head; the softmax maths runs in fp32. Under DeepSpeed ZeRO-3 the LM-head
+    weights must be gathered by the caller.
+
+    Args:
+        student_hidden (`torch.Tensor` of shape `(num_tokens, student_hidden_size)`):
+            Student final hidden states at the positions that predict each action token.
+        student_weight (`torch.Tensor` of shape `(vocab_size, student_hidden_size)`):
+            Student LM-head weight.
+        teacher_hidden (`torch.Tensor` of shape `(num_tokens, teacher_hidden_size)`):
+            Teacher final hidden states at the same positions, in the same order.
+        teacher_weight (`torch.Tensor` of shape `(vocab_size, teacher_hidden_size)`):
+            Teacher LM-head weight, over the same vocabulary as the student's.
+        beta (`float`, *optional*, defaults to `0.5`):
+            In `[0, 1]`: `0` is KL(teacher || student), `1` is KL(student || teacher), in between the generalized JSD
+            with mixture `(1 - beta) * p_student + beta * p_teacher`.
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Softmax temperature, `> 0`, applied to both models' logits.
+        student_bias (`torch.Tensor` of shape `(vocab_size,)`, *optional*, defaults to `None`):
+            Student LM-head bias.
+        teacher_bias (`torch.Tensor` of shape `(vocab_size,)`, *optional*, defaults to `None`):
+            Teacher LM-head bias.
+        chunk_size (`int`, *optional*, defaults to `1024`):
+            Tokens per chunk, `>= 1`. Peak memory is about four fp32 `(chunk_size, vocab_size)` tiles (512 MiB at
+            1024 x 32k) plus the student LM-head gradient, whatever `num_tokens`; lower it for large vocabularies
+            (e.g. 256 at 150k entries: about 600 MiB of tiles).
+
+    Returns:
+        `torch.Tensor` of shape `(num_tokens,)`, fp32 (fp64 for fp64 inputs): the divergence of each action token (an
+        empty tensor when `num_tokens` is 0).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl.losses import chunked_generalized_jsd
+    >>> hidden, weight = torch.randn(5, 8), torch.randn(32, 8)
+    >>> chunked_generalized_jsd(hidden, weight, hidden, weight, chunk_size=2).abs().max().item() < 1e-6
+    True
+    ```
+    """
+    where = "chunked_generalized_jsd"
+    _check_beta_temperature(beta, temperature, where)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{where}: `chunk_size` must be an integer >= 1, got {chunk_size!r}.")
+    for name, tensor in (
+        ("student_hidden", student_hidden),
+        ("student_weight", student_weight),
+        ("teacher_hidden", teacher_hidden),
+        ("teacher_weight", teacher_weight),
+    ):
+        if tensor.dim() != 2:
+            raise ValueError(f"{where}: `{name}` must be 2-D, got shape {tuple(tensor.shape)}.")
+    if student_hidden.shape[0] != teacher_hidden.shape[0]:
+        raise ValueError(
+            f"{where}: `student_hidden` has {student_hidden.shape[0]} tokens but `teacher_hidden` has "
+            f"{teacher_hidden.shape[0]}; both must hold the same action positions in the same order."
+        )
+    if student_hidden.shape[1] != student_weight.shape[1]:
+        raise ValueError(
+            f"{where}: `student_hidden` has hidden size {student_hidden.shape[1]} but `student_weight` expects "
+            f"{student_weight.shape[1]} (shape {tuple(student_weight.shape)})."
+        )
+    if teacher_hidden.shape[1] != teacher_weight.shape[1]:
+        raise ValueError(
+            f"{where}: `teacher_hidden` has hidden size {teacher_hidden.shape[1]} but `teacher_weight` expects "
+            f"{teacher_weight.shape[1]} (shape {tuple(teacher_weight.shape)})."
+        )
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(
+            f"{where}: the student LM head has {student_weight.shape[0]} vocabulary entries but the teacher's has "
+            f"{teacher_weight.shape[0]}; full-vocabulary distillation needs one shared tokenizer vocabulary."
+        )
+    for name, bias in (("student_bias", student_bias), ("teacher_bias", teacher_bias)):
+        if bias is not None and bias.shape != (student_weight.shape[0],):
+            raise ValueError(
+                f"{where}: `{name}` must have shape ({student_weight.shape[0]},), got {tuple(bias.shape)}."
+            )
+    return _ChunkedGeneralizedJSD.apply(
+        student_hidden,
+        student_weight,
+        student_bias,
+        teacher_hidden.detach(),
+        teacher_weight.detach(),
+        None if teacher_bias is None else teacher_bias.detach(),
+        float(beta),
+        float(temperature),
+        chunk_size,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reinforcement learning: PPO-clip, KL to a reference, value loss
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _mean_or_zero(values: torch.Tensor) -> torch.Tensor:
+    """Mean of a 1-D tensor as fp32, 0 (not NaN) when it is empty."""
+    values = values.float()
+    return values.mean() if values.numel() > 0 else values.sum()
+
+
+def _sequence_mean(per_token: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """Mean within each sequence id, then mean over the sequences present: a scalar."""
+    _, inverse, counts = torch.unique(sequence_ids, return_inverse=True, return_counts=True)
+    sums = per_token.new_zeros(counts.shape[0]).index_add(0, inverse, per_token)  # (num_sequences,)
+    return (sums / counts.to(per_token.dtype)).mean()
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    sequence_ids: torch.Tensor | None = None,
+    aggregation: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """
+    PPO clipped surrogate loss on action tokens, with token-level importance ratios.
+
+    Per token, with `ratio = exp(logprobs - old_logprobs)`, the loss is the pessimistic
+    `max(-advantages * ratio, -advantages * clip(ratio, 1 - epsilon, 1 + epsilon_high))`. An asymmetric upper bound
+    (`epsilon_high > epsilon`, "clip-higher") leaves more room to raise the probability of rare good tokens.
+
+    Args:
+        logprobs (`torch.Tensor` of shape `(num_tokens,)`):
+            Log-probabilities of the sampled tokens under the policy being trained (carries the gradient).
+        old_logprobs (`torch.Tensor` of shape `(num_tokens,)`):
+            Log-probabilities of the same tokens under the policy that sampled them (treated as constants).
+        advantages (`torch.Tensor` of shape `(num_tokens,)`):
+            Advantage of each token (treated as constants).
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Lower clipping range, in `(0, 1)`: ratios are clipped from below at `1 - epsilon`.
+        epsilon_high (`float`, *optional*, defaults to `None`):
+            Upper clipping range, `> 0`: ratios are clipped from above at `1 + epsilon_high`. Defaults to `epsilon`.
+        sequence_ids (`torch.Tensor` of shape `(num_tokens,)`, integer, *optional*, defaults to `None`):
+            Which sequence (e.g. invocation or episode) each token belongs to; needed for `"sequence_mean"`. The ids
+            need not be contiguous or sorted.
+        aggregation (`str`, *optional*, defaults to `"token_mean"`):
+            `"token_mean"` averages over all tokens; `"sequence_mean"` averages within each sequence, then over
+            sequences (every sequence weighs the same, whatever its length).
+
+    Returns:
+        `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss (0 when `num_tokens` is 0), and detached fp32
+        scalar statistics, all token means:
+        - `"clip_fraction_low"`: tokens with `ratio < 1 - epsilon` and a negative advantage (the clipped term is
+          chosen, the gradient is zero);
+        - `"clip_fraction_high"`: tokens with `ratio > 1 + epsilon_high` and a positive advantage;
+        - `"clip_fraction"`: the sum of the two;
+        - `"ratio_mean"`: mean importance ratio;
+        - `"approx_kl"`: the k3 estimate of KL(old || new), mean of `(ratio - 1) - log(ratio)`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl import ppo_clip_loss
+    >>> loss, stats = ppo_clip_loss(torch.tensor([0.0, 0.5]), torch.zeros(2), torch.tensor([1.0, 1.0]))
+    >>> round(loss.item(), 4), stats["clip_fraction"].item()
+    (-1.1, 0.5)
+    ```
+    """
+    where = "ppo_clip_loss"
+    _check_same_1d(
+        where, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, sequence_ids=sequence_ids
+    )
+    if not 0.0 < epsilon < 1.0:
+        raise ValueError(f"{where}: `epsilon` must be in (0, 1), got {epsilon}.")
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if not epsilon_high > 0.0:
+        raise ValueError(f"{where}: `epsilon_high` must be > 0 (or None to use `epsilon`), got {epsilon_high}.")
+    if aggregation not in _PPO_AGGREGATIONS:
+        raise ValueError(f"{where}: `aggregation` must be one of {_PPO_AGGREGATIONS}, got {aggregation!r}.")
+    if aggregation == "sequence_mean" and sequence_ids is None:
+        raise ValueError(f"{where}: `aggregation='sequence_mean'` needs `sequence_ids` (one id per token).")
+    if sequence_ids is not None and (sequence_ids.is_floating_point() or sequence_ids.is_complex()):
+        raise ValueError(f"{where}: `sequence_ids` must be an integer tensor, got dtype {sequence_ids.dtype}.")
+
+    old_logprobs = old_logprobs.detach()
+    advantages = advantages.detach()
+    log_ratio = logprobs - old_logprobs  # (N,)
+    ratio = log_ratio.exp()  # (N,)
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
+    per_token_loss = torch.maximum(unclipped_loss, clipped_loss)  # (N,)
+
+    if per_token_loss.numel() == 0:
+        loss = per_token_loss.sum()  # 0, still attached to the graph
+    elif aggregation == "token_mean":
+        loss = per_token_loss.mean()
+    else:
+        loss = _sequence_mean(per_token_loss, sequence_ids)
+
+    with torch.no_grad():
+        clipped_low = (ratio < 1.0 - epsilon) & (advantages < 0)
+        clipped_high = (ratio > 1.0 + epsilon_high) & (advantages > 0)
+        stats = {
+            "clip_fraction_low": _mean_or_zero(clipped_low),
+            "clip_fraction_high": _mean_or_zero(clipped_high),
+            "clip_fraction": _mean_or_zero(clipped_low | clipped_high),
+            "ratio_mean": _mean_or_zero(ratio),
+            "approx_kl": _mean_or_zero((ratio - 1.0) - log_ratio),
+        }
+    return loss, stats
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """
+    Per-token estimate of KL(policy || reference) from tokens sampled by the policy.
+
+    With `log_ratio = logprobs - ref_logprobs`:
+    - `"k1"`: `log_ratio` (unbiased, high variance, can be negative);
+    - `"k2"`: `0.5 * log_ratio**2` (biased, low variance, non-negative);
+    - `"k3"`: `exp(-log_ratio) - 1 + log_ratio` (unbiased, low variance, non-negative).
+
+    Args:
+        logprobs (`torch.Tensor` of shape `(num_tokens,)`):
+            Log-probabilities of the sampled tokens under the policy (carries the gradient).
+        ref_logprobs (`torch.Tensor` of shape `(num_tokens,)`):
+            Log-probabilities of the same tokens under the reference model (treated as constants).
+        kind (`str`, *optional*, defaults to `"k3"`):
+            One of `"k1"`, `"k2"`, `"k3"`.
+
+    Returns:
+        `torch.Tensor` of shape `(num_tokens,)`: the per-token estimate; average it with the same aggregation as the
+        policy loss.
+    """
+    where = "kl_penalty"
+    _check_same_1d(where, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    if kind not in _KL_KINDS:
+        raise ValueError(f"{where}: `kind` must be one of {_KL_KINDS}, got {kind!r}.")
+    log_ratio = logprobs - ref_logprobs.detach()  # (N,)
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def value_loss(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    old_values: torch.Tensor | None = None,
+    clip: float | None = None,
+) -> torch.Tensor:
+    """
+    Squared-error value loss, optionally clipped around the values of the rollout policy (as in PPO).
+
+    Per token the loss is `0.5 * (values - returns)**2`; with `clip`, it is the larger of that and
+    `0.5 * (old_values + clamp(values - old_values, -clip, clip) - returns)**2`.
+
+    Args:
+        values (`torch.Tensor` of shape `(num_tokens,)`):
+            Current value predictions (carries the gradient).
+        returns (`torch.Tensor` of shape `(num_tokens,)`):
+            Return targets (treated as constants), e.g. from [`gae_advantages`].
+        old_values (`torch.Tensor` of shape `(num_tokens,)`, *optional*, defaults to `None`):
+            Value predictions made at rollout time; needed when `clip` is set.
+        clip (`float`, *optional*, defaults to `None`):
+            Clipping range, `> 0`, or `None` for no clipping.
+
+    Returns:
+        `torch.Tensor`: the scalar mean loss over tokens (0 when there are none).
+    """
+    where = "value_loss"
+    _check_same_1d(where, values=values, returns=returns, old_values=old_values)
+    returns = returns.detach()
+    per_token = 0.5 * (values - returns).square()  # (N,)
+    if clip is not None:
+        if not clip > 0:
+            raise ValueError(f"{where}: `clip` must be > 0 or None, got {clip}.")
+        if old_values is None:
+            raise ValueError(f"{where}: `clip={clip}` needs `old_values` (the values predicted at rollout time).")
+        old_values = old_values.detach()
+        clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+        per_token = torch.maximum(per_token, 0.5 * (clipped_values - returns).square())
+    return per_token.mean() if per_token.numel() > 0 else per_token.sum()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Advantage estimators
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def group_normalized_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4, scale: bool = True
+) -> torch.Tensor:
+    """
+    Group-relative advantages (as in GRPO): each episode's reward minus the mean reward of its group (the episodes
+    answering the same question), divided by the group's standard deviation plus `eps` when `scale`.
+
+    The standard deviation is the population one (`unbiased=False`): it is defined for every group size and gives the
+    normalized advantages of a group unit mean square (up to `eps`). A degenerate group (size 1, or all rewards equal)
+    carries no learning signal and gets advantages of exactly 0, never NaN.
+
+    Args:
+        rewards (`torch.Tensor` of shape `(num_episodes,)`):
+            Final reward of each episode; must be finite.
+        group_ids (`torch.Tensor` of shape `(num_episodes,)`, integer):
+            Group of each episode. Ids need not be contiguous or sorted.
+        eps (`float`, *optional*, defaults to `1e-4`):
+            Added to the standard deviation, `>= 0`.
+        scale (`bool`, *optional*, defaults to `True`):
+            Whether to divide by the group standard deviation (`False`: mean-centering only, as in Dr. GRPO).
+
+    Returns:
+        `torch.Tensor` of shape `(num_episodes,)`, floating point, detached: the advantages.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl.losses import group_normalized_advantages
+    >>> group_normalized_advantages(torch.tensor([1.0, 0.0, 0.5]), torch.tensor([0, 0, 1]), eps=0.0).tolist()
+    [1.0, -1.0, 0.0]
+    ```
+    """
+    where = "group_normalized_advantages"
+    _check_same_1d(where, rewards=rewards, group_ids=group_ids)
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        raise ValueError(f"{where}: `group_ids` must be an integer tensor, got dtype {group_ids.dtype}.")
+    if eps < 0:
+        raise ValueError(f"{where}: `eps` must be >= 0, got {eps}.")
+    rewards = rewards.detach()
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    if not torch.isfinite(rewards).all():
+        bad = torch.nonzero(~torch.isfinite(rewards)).flatten().tolist()
+        raise ValueError(f"{where}: `rewards` must be finite; episodes {bad} have NaN or infinite rewards.")
+    if rewards.numel() == 0:
+        return rewards.clone()
+
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    num_groups = counts.shape[0]
+    counts = counts.to(rewards.dtype)  # (G,)
+    means = rewards.new_zeros(num_groups).index_add(0, inverse, rewards) / counts  # (G,)
+    advantages = rewards - means[inverse]  # (E,)
+    if scale:
+        variances = rewards.new_zeros(num_groups).index_add(0, inverse, advantages.square()) / counts  # (G,)
+        advantages = advantages / (variances.sqrt()[inverse] + eps)
+    group_max = rewards.new_full((num_groups,), -math.inf).scatter_reduce(0, inverse, rewards, reduce="amax")
+    group_min = rewards.new_full((num_groups,), math.inf).scatter_reduce(0, inverse, rewards, reduce="amin")
+    degenerate = (group_max == group_min)[inverse]  # (E,)
+    return advantages.masked_fill(degenerate, 0.0)
+
+
+def gae_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Generalized advantage estimation over the action tokens of one episode, or of a padded batch of episodes.
+
+    Each episode is the sequence of its action tokens (all its invocations' `output_ids`, in turn order), usually with
+    the final reward on its last token and 0 elsewhere; the episode ends after its last token (the value there is 0).
+    `delta_t = r_t + gamma * V_{t+1} - V_t` and `A_t = delta_t + gamma * lam * A_{t+1}`; `returns = A + V`.
+    With `gamma = lam = 1` and only a final reward `R`, `returns` is `R` at every token.
+
+    Args:
+        rewards (`torch.Tensor` of shape `(num_tokens,)` or `(batch_size, num_tokens)`):
+            Per-token rewards.
+        values (`torch.Tensor`, same shape as `rewards`):
+            Per-token value estimates (treated as constants).
+        gamma (`float`, *optional*, defaults to `1.0`):
+            Discount factor, in `[0, 1]`.
+        lam (`float`, *optional*, defaults to `1.0`):
+            GAE lambda, in `[0, 1]`.
+        mask (`torch.Tensor`, bool, same shape as `rewards`, *optional*, defaults to `None`):
+            Which positions are action tokens. Masked-out positions (padding, or tokens to skip inside a row) are
+            stepped over: they neither receive nor pass on anything, and their rewards are ignored; their advantages
+            and returns are 0. `None` means every position counts.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: `(advantages, returns)`, each of the shape of `rewards`, detached.
+    """
+    where = "gae_advantages"
+    if rewards.shape != values.shape:
+        raise ValueError(
+            f"{where}: `rewards` has shape {tuple(rewards.shape)} but `values` has shape {tuple(values.shape)}."
+        )
+    if rewards.dim() not in (1, 2):
+        raise ValueError(
+            f"{where}: `rewards` must be (num_tokens,) or (batch_size, num_tokens), got shape {tuple(rewards.shape)}."
+        )
+    if mask is not None and mask.shape != rewards.shape:
+        raise ValueError(f"{where}: `mask` has shape {tuple(mask.shape)}, expected {tuple(rewards.shape)}.")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"{where}: `gamma` must be in [0, 1], got {gamma}.")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"{where}: `lam` must be in [0, 1], got {lam}.")
+
+    squeeze = rewards.dim() == 1
+    dtype = torch.promote_types(torch.promote_types(rewards.dtype, values.dtype), torch.float32)
+    rewards = rewards.detach().to(dtype).reshape(-1, rewards.shape[-1])  # (B, T)
+    values = values.detach().to(dtype).reshape(rewards.shape)  # (B, T)
+    mask = torch.ones_like(rewards, dtype=torch.bool) if mask is None else mask.to(torch.bool).reshape(rewards.shape)
+
+    batch_size, num_tokens = rewards.shape
+    advantages = torch.zeros_like(rewards)  # (B, T)
+    next_value = rewards.new_zeros(batch_size)  # (B,): value of the next kept token, 0 past the end
+    next_advantage = rewards.new_zeros(batch_size)  # (B,)
+    for t in reversed(range(num_tokens)):
+        kept = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(kept, advantage, 0.0)
+        next_value = torch.where(kept, values[:, t], next_value)
+        next_advantage = torch.where(kept, advantage, next_advantage)
+    returns = torch.where(mask, advantages + values, 0.0)
+    if squeeze:
+        return advantages[0], returns[0]
+    return advantages, returns
+
+
+def broadcast_to_tokens(
+    values_per_episode: torch.Tensor, tokens_per_episode: torch.Tensor | list[int]
+) -> torch.Tensor:
+    """
+    Repeats one scalar per episode (e.g. its group-normalized advantage) onto every action token of all its
+    invocations, in the canonical order: episode by episode, then invocation and token order inside each.
+
+    Args:
+        values_per_episode (`torch.Tensor` of shape `(num_episodes,)`):
+            One value per episode.
+        tokens_per_episode (`torch.Tensor` of shape `(num_episodes,)` or `list[int]`):
+            Number of action tokens of each episode (the sum of `len(inv.output_ids)` over its invocations), `>= 0`.
+
+    Returns:
+        `torch.Tensor` of shape `(sum(tokens_per_episode),)`: the per-token values.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl.losses import broadcast_to_tokens
+    >>> broadcast_to_tokens(torch.tensor([0.5, -1.0]), [2, 3]).tolist()
+    [0.5, 0.5, -1.0, -1.0, -1.0]
+    ```
+    """
+    where = "broadcast_to_tokens"
+    counts = torch.as_tensor(tokens_per_episode, dtype=torch.long, device=values_per_episode.device)
+    _check_same_1d(where, values_per_episode=values_per_episode, tokens_per_episode=counts)
+    if counts.numel() > 0 and int(counts.min()) < 0:
+        raise ValueError(f"{where}: `tokens_per_episode` must be >= 0, got {counts.tolist()}.")
+    return values_per_episode.repeat_interleave(counts)
