@@ -1,0 +1,308 @@
+"""`MemOPDConfig`: the TRL-style configuration of `MemOPDTrainer`."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl.trainer.base_config import _BaseConfig
+
+
+_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass
+class MemOPDConfig(_BaseConfig):
+    r"""
+    Configuration class for the [`MemOPDTrainer`].
+
+    Extends [`~transformers.TrainingArguments`] (through TRL's base config) with the parameters of Memory-Aligned
+    On-Policy Distillation: multi-turn rollouts of a memory agent, a teacher that scores every sampled action in the
+    state the student sampled it in, and a loss mixing generalized JSD distillation with PPO on the final reward.
+    Every field can be set from the command line with [`~transformers.HfArgumentParser`] / [`~trl.TrlParser`].
+
+    Unlike TRL's base config, `bf16` defaults to `True` only when a CUDA device is available, so `MemOPDConfig()`
+    works as it is on a CPU-only machine.
+
+    Parameters:
+        > Parameters that control the models
+
+        model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
+            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the trainer's `model` is a string.
+        teacher_model_name_or_path (`str`, *optional*):
+            Teacher model id or path, used when the trainer is given no `teacher_model`.
+        teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
+            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string.
+        attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
+            Attention implementation of the student when loaded from a string: `"eager"`, `"sdpa"`,
+            `"flex_attention"`, `"flash_attention_2"` or `"flash_attention_3"`.
+        teacher_attn_implementation (`str`, *optional*):
+            Attention implementation of the teacher; defaults to `attn_implementation`.
+        trust_remote_code (`bool`, *optional*, defaults to `False`):
+            Whether to run model or tokenizer code shipped with a checkpoint. Off unless you trust the source.
+        disable_dropout (`bool`, *optional*, defaults to `True`):
+            Whether to disable dropout in the student and the teacher.
+
+        > Parameters that control the environment and the rollouts
+
+        memory_policy (`str`, *optional*, defaults to `"compact"`):
+            Context the agent sees at each turn: `"compact"` (task, latest memory, latest observation) or
+            `"persistent"` (every turn so far).
+        action_format (`str`, *optional*, defaults to `"memopd"`):
+            Tag preset of the action grammar: `"memopd"` or `"mem1"`.
+        max_turns (`int`, *optional*, defaults to `6`):
+            Turns after which an unanswered episode ends with reward 0.
+        max_new_tokens (`int`, *optional*, defaults to `128`):
+            Maximum number of tokens sampled per model call.
+        max_prompt_length (`int`, *optional*, defaults to `2048`):
+            Maximum number of context tokens of a model call; longer contexts are shrunk by the environment
+            (memory/observation), never by cutting a sampled action.
+        num_generations (`int`, *optional*, defaults to `4`):
+            Episodes played per question (a group, for group-normalized advantages).
+        temperature (`float`, *optional*, defaults to `1.0`):
+            Sampling temperature of the rollouts; also the temperature of the PPO log-probs.
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling threshold of the rollouts.
+        top_k (`int`, *optional*, defaults to `0`):
+            Top-k sampling of the rollouts (0 disables it).
+        use_vllm (`bool`, *optional*, defaults to `False`):
+            Whether to generate with vLLM (GPU, `pip install memopd-trl[vllm]`).
+
+        > Parameters that control the loss
+
+        distill_coef (`float`, *optional*, defaults to `1.0`):
+            Weight of the distillation loss. 0 gives the PPO-only baseline.
+        ppo_coef (`float`, *optional*, defaults to `1.0`):
+            Weight of the PPO loss. 0 gives pure on-policy distillation.
+        beta (`float`, *optional*, defaults to `0.5`):
+            Generalized JSD interpolation: 0 is forward KL(teacher || student), 1 is reverse KL(student || teacher).
+        distill_temperature (`float`, *optional*, defaults to `1.0`):
+            Temperature of both distributions in the distillation loss.
+        teacher_scoring (`str`, *optional*, defaults to `"aligned"`):
+            `"aligned"`: the teacher scores each action in the exact context the student sampled it in (MemOPD).
+            `"persistent"`: the teacher scores each action under the episode flattened into one growing history
+            (the matched control).
+        kl_coef (`float`, *optional*, defaults to `0.0`):
+            Weight of a KL penalty to the student's initial weights (a frozen reference copy); 0 disables it.
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Lower clipping range of the PPO importance ratio.
+        epsilon_high (`float`, *optional*):
+            Upper clipping range; defaults to `epsilon`.
+        loss_aggregation (`str`, *optional*, defaults to `"token_mean"`):
+            How PPO's per-token losses are averaged: `"token_mean"` or `"sequence_mean"` (per invocation, then over
+            invocations).
+        advantage_estimator (`str`, *optional*, defaults to `"group"`):
+            `"group"`: final reward normalized within each question's `num_generations` episodes, broadcast to every
+            action token (no critic). `"gae"`: generalized advantage estimation with a value head.
+        scale_rewards (`bool`, *optional*, defaults to `True`):
+            Whether group-normalized advantages are divided by the group's standard deviation.
+        gamma (`float`, *optional*, defaults to `1.0`):
+            Discount factor of GAE.
+        lam (`float`, *optional*, defaults to `1.0`):
+            GAE lambda.
+        vf_coef (`float`, *optional*, defaults to `0.1`):
+            Weight of the value loss when `advantage_estimator="gae"`.
+        steps_per_generation (`int`, *optional*, defaults to `1`):
+            Optimizer updates made on one rollout batch before sampling a new one (PPO epochs); old log-probs stay
+            those of the rollout.
+
+        > Parameters that control packing and scoring
+
+        max_tokens_per_row (`int`, *optional*, defaults to `4096`):
+            Token budget of one packed row; whole invocations are packed into rows, never split.
+        logit_chunk_size (`int`, *optional*, defaults to `1024`):
+            Action tokens per chunk when applying the LM heads, which bounds peak memory by chunk x vocabulary.
+    """
+
+    _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + ["model_init_kwargs", "teacher_model_init_kwargs"]
+
+    # Overrides of TrainingArguments / TRL defaults suited to this trainer.
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(
+        default=1,
+        metadata={
+            "help": "Log every X updates steps. Should be an integer or a float in range `[0,1)`. If smaller than 1, "
+            "will be interpreted as ratio of total training steps."
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={"help": "Deprecated alias of `activation_checkpointing` (off by default for this trainer)."},
+    )
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={"help": "Kept False: the trainer reads whole HotpotQA-format records, not model inputs."},
+    )
+    per_device_train_batch_size: int = field(
+        default=2, metadata={"help": "Questions per device per rollout; each is played `num_generations` times."}
+    )
+
+    # Models
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string."},
+    )
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Teacher model id or path, used when the trainer is given no `teacher_model`."},
+    )
+    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string."},
+    )
+    attn_implementation: str = field(
+        default="sdpa",
+        metadata={
+            "help": "Attention implementation of the student when loaded from a string.",
+            "choices": list(_ATTN_IMPLEMENTATIONS),
+        },
+    )
+    teacher_attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "Attention implementation of the teacher; defaults to `attn_implementation`."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Whether to run model or tokenizer code shipped with a checkpoint. Off unless trusted."},
+    )
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Whether to disable dropout in the student and the teacher."}
+    )
+
+    # Environment and rollouts
+    memory_policy: str = field(
+        default="compact",
+        metadata={"help": "Context the agent sees each turn.", "choices": ["compact", "persistent"]},
+    )
+    action_format: str = field(
+        default="memopd", metadata={"help": "Tag preset of the action grammar.", "choices": ["memopd", "mem1"]}
+    )
+    max_turns: int = field(default=6, metadata={"help": "Turns after which an unanswered episode ends (reward 0)."})
+    max_new_tokens: int = field(default=128, metadata={"help": "Maximum number of tokens sampled per model call."})
+    max_prompt_length: int = field(
+        default=2048,
+        metadata={"help": "Maximum context tokens of a model call; longer contexts are shrunk by the environment."},
+    )
+    num_generations: int = field(
+        default=4, metadata={"help": "Episodes per question (a group, for group-normalized advantages)."}
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the rollouts."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold of the rollouts."})
+    top_k: int = field(default=0, metadata={"help": "Top-k sampling of the rollouts (0 disables it)."})
+    use_vllm: bool = field(default=False, metadata={"help": "Whether to generate with vLLM (GPU only)."})
+
+    # Loss
+    distill_coef: float = field(
+        default=1.0, metadata={"help": "Weight of the distillation loss (0 gives the PPO-only baseline)."}
+    )
+    ppo_coef: float = field(default=1.0, metadata={"help": "Weight of the PPO loss (0 gives pure distillation)."})
+    beta: float = field(
+        default=0.5,
+        metadata={"help": "Generalized JSD interpolation: 0 = KL(teacher||student), 1 = KL(student||teacher)."},
+    )
+    distill_temperature: float = field(
+        default=1.0, metadata={"help": "Temperature of both distributions in the distillation loss."}
+    )
+    teacher_scoring: str = field(
+        default="aligned",
+        metadata={
+            "help": "`aligned`: teacher scores each action in the student's exact context (MemOPD). `persistent`: "
+            "under the episode flattened into one growing history (the matched control).",
+            "choices": ["aligned", "persistent"],
+        },
+    )
+    kl_coef: float = field(
+        default=0.0, metadata={"help": "Weight of a KL penalty to a frozen copy of the initial student (0 = off)."}
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the PPO importance ratio."})
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clipping range of the PPO ratio; defaults to `epsilon`."}
+    )
+    loss_aggregation: str = field(
+        default="token_mean",
+        metadata={"help": "Averaging of PPO's per-token losses.", "choices": ["token_mean", "sequence_mean"]},
+    )
+    advantage_estimator: str = field(
+        default="group",
+        metadata={
+            "help": "`group`: group-normalized final reward (no critic). `gae`: GAE with a value head.",
+            "choices": ["group", "gae"],
+        },
+    )
+    scale_rewards: bool = field(
+        default=True, metadata={"help": "Whether group-normalized advantages are divided by the group std."}
+    )
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss with `advantage_estimator=gae`."})
+    steps_per_generation: int = field(
+        default=1, metadata={"help": "Optimizer updates made on one rollout batch before sampling a new one."}
+    )
+
+    # Packing and scoring
+    max_tokens_per_row: int = field(
+        default=4096, metadata={"help": "Token budget of one packed row (whole invocations, never split)."}
+    )
+    logit_chunk_size: int = field(
+        default=1024, metadata={"help": "Action tokens per chunk when applying LM heads (bounds peak memory)."}
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            # TRL's base turns bf16 on by default, which fails on a CPU-only machine; only do so where it is safe.
+            self.bf16 = not self.fp16 and torch.cuda.is_available() and not self.use_cpu
+        super().__post_init__()
+        self._check()
+
+    def _check(self):
+        def bad(name: str, allowed: str):
+            raise ValueError(f"`{name}` must be {allowed}, got {getattr(self, name)!r}.")
+
+        for name in ("distill_coef", "ppo_coef", "kl_coef", "vf_coef", "epsilon"):
+            if getattr(self, name) < 0:
+                bad(name, ">= 0")
+        if self.distill_coef == 0 and self.ppo_coef == 0:
+            raise ValueError("`distill_coef` and `ppo_coef` are both 0: there is nothing to train.")
+        if not 0.0 <= self.beta <= 1.0:
+            bad("beta", "in [0, 1]")
+        if self.epsilon_high is not None and self.epsilon_high < 0:
+            bad("epsilon_high", ">= 0 or None")
+        for name in ("distill_temperature", "temperature"):
+            if getattr(self, name) <= 0:
+                bad(name, "> 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", ">= 0")
+        for name in (
+            "max_turns",
+            "max_new_tokens",
+            "max_prompt_length",
+            "num_generations",
+            "steps_per_generation",
+            "max_tokens_per_row",
+            "logit_chunk_size",
+        ):
+            if getattr(self, name) < 1:
+                bad(name, ">= 1")
+        if not 0.0 <= self.gamma <= 1.0:
+            bad("gamma", "in [0, 1]")
+        if not 0.0 <= self.lam <= 1.0:
+            bad("lam", "in [0, 1]")
+        choices = {
+            "memory_policy": ("compact", "persistent"),
+            "action_format": ("memopd", "mem1"),
+            "teacher_scoring": ("aligned", "persistent"),
+            "loss_aggregation": ("token_mean", "sequence_mean"),
+            "advantage_estimator": ("group", "gae"),
+            "attn_implementation": _ATTN_IMPLEMENTATIONS,
+        }
+        if self.teacher_attn_implementation is not None:
+            choices["teacher_attn_implementation"] = _ATTN_IMPLEMENTATIONS
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                bad(name, f"one of {list(allowed)}")
+        if self.advantage_estimator == "group" and self.ppo_coef > 0 and self.num_generations < 2:
+            raise ValueError(
+                "`advantage_estimator='group'` normalizes rewards within a question's episodes, so it needs "
+                f"`num_generations` >= 2 (got {self.num_generations}); raise it or use `advantage_estimator='gae'`."
+            )

@@ -1,0 +1,615 @@
+"""`MemOPDTrainer`: Memory-Aligned On-Policy Distillation of a memory agent, on top of TRL's trainer base.
+
+One training step, top to bottom (see `_rollout_and_score` and `_student_loss`):
+
+1. rollout: the student plays `num_generations` episodes per question, every model call recorded as token ids;
+2. advantages: group-normalized final reward (or GAE with a value head), broadcast to every action token;
+3. pack: each invocation rebuilt as its own sequence, whole invocations packed into rows;
+4. teacher scoring (no grad): the teacher's hidden states at every action position, in the exact context the student
+   sampled it in (`teacher_scoring="aligned"`), or under the flattened history (`"persistent"`, the control);
+5. student forward on the same packed rows, then
+   `loss = distill_coef * GJSD(teacher || student) + ppo_coef * PPO-clip (+ kl_coef * KL + vf_coef * value loss)`.
+
+The trainer orchestrates; the maths lives in `losses.py`, the packing in `packing.py`, the forwards in `scoring.py`.
+"""
+
+import math
+import os
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer_callback import TrainerCallback
+from transformers.utils import is_peft_available
+from trl.models.utils import _ForwardRedirection, unwrap_model_for_generation
+from trl.trainer.base_trainer import _BaseTrainer
+from trl.trainer.utils import RepeatSampler, disable_dropout_in_model
+
+from .config import MemOPDConfig
+from .losses import (
+    broadcast_to_tokens,
+    chunked_generalized_jsd,
+    gae_advantages,
+    group_normalized_advantages,
+    kl_penalty,
+    ppo_clip_loss,
+    value_loss,
+)
+from .packing import PackedInvocationCollator
+from .records import Episode, Invocation
+from .rollout import RolloutEngine
+from .scoring import action_hidden_states, action_logprobs_from_hidden, action_token_ids, lm_head_params
+
+
+if is_peft_available():
+    from peft import PeftConfig, PeftModel, get_peft_model
+
+
+_PAPER = {
+    "title": "Memory-Aligned On-Policy Distillation for Long-Horizon LLM Memory Agents",
+    "id": "2608.07068",
+    "citation": """\
+@article{memopd2026,
+    title        = {{Memory-Aligned On-Policy Distillation for Long-Horizon LLM Memory Agents}},
+    year         = 2026,
+    eprint       = {arXiv:2608.07068}
+}""",
+}
+
+
+def _identity_collator(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return records
+
+
+class MemOPDTrainer(_BaseTrainer):
+    """
+    Trainer for Memory-Aligned On-Policy Distillation (MemOPD) of a memory agent.
+
+    Args:
+        model (`str` or `PreTrainedModel`):
+            The student: a model id/path (loaded with `args.model_init_kwargs`) or a loaded causal LM.
+        teacher_model (`str` or `PreTrainedModel`, *optional*):
+            The teacher; defaults to `args.teacher_model_name_or_path`. Not needed when `args.distill_coef == 0`.
+            It must share the student's tokenizer: full-vocabulary supervision compares distributions id by id.
+        args (`MemOPDConfig`, *optional*):
+            Configuration; defaults to `MemOPDConfig(output_dir="<model name>-MemOPD")`.
+        train_dataset (`datasets.Dataset` or `list[dict]`, *optional*):
+            HotpotQA-format records (`_id`, `question`, `answer`, ...).
+        eval_dataset (`datasets.Dataset` or `list[dict]`, *optional*):
+            Records for `evaluate()`, played greedily once each.
+        env_factory (`Callable[[], MemoryAgentEnv]`):
+            Makes one fresh environment per episode, e.g. `HotpotQAEnv.factory(corpus=...)`.
+        processing_class (`PreTrainedTokenizerBase`, *optional*):
+            The tokenizer (with a chat template); loaded from `model` when it is a string.
+        teacher_processing_class (`PreTrainedTokenizerBase`, *optional*):
+            The teacher's tokenizer, only to check that it equals the student's.
+        callbacks (`list[TrainerCallback]`, *optional*):
+            Extra callbacks.
+        optimizers (`tuple`, *optional*, defaults to `(None, None)`):
+            Optimizer and scheduler, as in `transformers.Trainer`.
+        peft_config (`peft.PeftConfig`, *optional*):
+            When given, the student is wrapped with it (e.g. LoRA) and only the adapters train.
+
+    Example:
+
+    ```python
+    >>> from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
+    >>> trainer = MemOPDTrainer(
+    ...     model="Qwen/Qwen2.5-3B-Instruct",
+    ...     teacher_model="Qwen/Qwen2.5-7B-Instruct",
+    ...     args=MemOPDConfig(output_dir="memopd-hotpot"),
+    ...     train_dataset=records,
+    ...     env_factory=HotpotQAEnv.factory(corpus=corpus),
+    ... )
+    >>> trainer.train()
+    ```
+    """
+
+    _tag_names = ["trl", "memopd"]
+    _name = "MemOPD"
+    _paper = _PAPER
+
+    def __init__(
+        self,
+        model: "str | PreTrainedModel",
+        teacher_model: "str | PreTrainedModel | None" = None,
+        args: MemOPDConfig | None = None,
+        train_dataset: "Dataset | list[dict] | None" = None,
+        eval_dataset: "Dataset | list[dict] | None" = None,
+        env_factory: Callable[[], Any] | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        teacher_processing_class: PreTrainedTokenizerBase | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+        peft_config: "PeftConfig | None" = None,
+    ):
+        model_id = model if isinstance(model, str) else model.config._name_or_path
+        if args is None:
+            args = MemOPDConfig(output_dir=f"{Path(model_id).name or 'model'}-MemOPD")
+        if env_factory is None or not callable(env_factory):
+            raise ValueError(
+                "`env_factory` is required: a zero-argument callable making one environment per episode, e.g. "
+                "`HotpotQAEnv.factory(corpus=...)`."
+            )
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required: HotpotQA-format records to play episodes on.")
+        train_dataset = _as_dataset(train_dataset, "train_dataset")
+        eval_dataset = _as_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+
+        # Student and tokenizer
+        if isinstance(model, str):
+            model = self._load_model(model, args.model_init_kwargs, args.attn_implementation, args)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        if not getattr(processing_class, "chat_template", None):
+            raise ValueError(
+                "The tokenizer has no chat template; the environment speaks chat messages. Set "
+                "`tokenizer.chat_template` (e.g. from the model family's instruct tokenizer) and try again."
+            )
+        if peft_config is not None:
+            if not is_peft_available():
+                raise ImportError("`peft_config` was given but peft is not installed: `pip install peft`.")
+            model = get_peft_model(model, peft_config)
+
+        # Teacher
+        if teacher_model is None:
+            teacher_model = args.teacher_model_name_or_path
+        if teacher_model is None and args.distill_coef > 0:
+            raise ValueError(
+                "`distill_coef` > 0 needs a teacher: pass `teacher_model` or set `teacher_model_name_or_path`, or set "
+                "`distill_coef=0` for the PPO-only baseline."
+            )
+        if isinstance(teacher_model, str):
+            if teacher_processing_class is None:
+                teacher_processing_class = AutoTokenizer.from_pretrained(
+                    teacher_model, trust_remote_code=args.trust_remote_code
+                )
+            teacher_model = self._load_model(
+                teacher_model,
+                args.teacher_model_init_kwargs,
+                args.teacher_attn_implementation or args.attn_implementation,
+                args,
+            )
+        self.vocab_size = len(processing_class)
+        _check_shared_vocabulary(model, teacher_model, processing_class, teacher_processing_class)
+
+        if args.disable_dropout:
+            disable_dropout_in_model(model)
+            if teacher_model is not None:
+                disable_dropout_in_model(teacher_model)
+
+        self.env_factory = env_factory
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._buffer: dict[str, Any] | None = None
+        self._buffer_step = -1
+        self.num_skipped_updates = 0
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=_identity_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self._forward_redirection = _ForwardRedirection()
+
+        self.teacher_model = None
+        if teacher_model is not None:
+            teacher_model.requires_grad_(False)
+            self.teacher_model = self.accelerator.prepare_model(teacher_model.eval(), evaluation_mode=True)
+
+        self.ref_model = None
+        if args.kl_coef > 0 and not _is_peft(self.model):
+            self.ref_model = self._load_reference(self.accelerator.unwrap_model(self.model))
+
+        self.value_head = None
+        if args.advantage_estimator == "gae":
+            hidden = self.accelerator.unwrap_model(self.model).config.get_text_config().hidden_size
+            self.value_head = nn.Linear(hidden, 1).to(self.accelerator.device)
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+
+        self.collator = PackedInvocationCollator(
+            max_tokens_per_row=args.max_tokens_per_row,
+            pad_token_id=processing_class.pad_token_id,
+            max_model_length=_max_length(self.model),
+        )
+        self.teacher_collator = PackedInvocationCollator(
+            max_tokens_per_row=args.max_tokens_per_row,
+            pad_token_id=processing_class.pad_token_id,
+            history=args.teacher_scoring,
+        )
+        self.rollout_engine = RolloutEngine(
+            model=self.accelerator.unwrap_model(self.model),
+            tokenizer=processing_class,
+            env_factory=env_factory,
+            max_new_tokens=args.max_new_tokens,
+            max_prompt_length=args.max_prompt_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            backend="vllm" if args.use_vllm else "hf",
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Set-up helpers
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _load_model(name: str, init_kwargs: dict | None, attn_implementation: str, args: MemOPDConfig):
+        kwargs = dict(init_kwargs or {})
+        kwargs.setdefault("attn_implementation", attn_implementation)
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        kwargs.setdefault("use_safetensors", True)
+        if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
+            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
+        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+
+    def _load_reference(self, student: PreTrainedModel) -> nn.Module:
+        reference = AutoModelForCausalLM.from_config(
+            student.config, attn_implementation=student.config._attn_implementation, dtype=student.dtype
+        )
+        reference.load_state_dict(student.state_dict())
+        reference.requires_grad_(False)
+        return self.accelerator.prepare_model(reference.eval(), evaluation_mode=True)
+
+    def _get_train_sampler(self, train_dataset=None) -> torch.utils.data.Sampler:
+        # Each batch of questions is yielded `steps_per_generation` times in a row; the rollout happens on its first
+        # occurrence and the following updates reuse it (see `_prepare_inputs`).
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return RepeatSampler(
+            data_source=dataset,
+            mini_repeat_count=1,
+            batch_size=self.args.per_device_train_batch_size * self.accelerator.num_processes,
+            repeat_count=self.args.steps_per_generation,
+            shuffle=True,
+            seed=self.args.seed,
+        )
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
+        if self.value_head is not None:
+            optimizer.add_param_group({"params": list(self.value_head.parameters()), "weight_decay": 0.0})
+        return optimizer
+
+    # ------------------------------------------------------------------------------------------------------------
+    # One training step
+    # ------------------------------------------------------------------------------------------------------------
+    def _prepare_inputs(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        generation_step = self.state.global_step // self.args.steps_per_generation
+        if self._buffer is None or generation_step != self._buffer_step:
+            self._buffer = self._rollout_and_score(records)
+            self._buffer_step = generation_step
+        return self._buffer
+
+    def _rollout_and_score(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        args, device = self.args, self.accelerator.device
+        timings = {}
+
+        # 1. rollout: sampled episodes, every model call recorded as token ids
+        start = time.perf_counter()
+        episodes, rollout_stats = self._play(records, greedy=False)
+        timings["rollout"] = time.perf_counter() - start
+        invocations = [inv for ep in episodes for inv in ep.invocations]
+        if not invocations:
+            raise RuntimeError("The rollout produced no model call; check `max_turns` and the environment.")
+
+        # 2. pack: every invocation rebuilt as its own sequence, whole invocations packed into rows
+        student_batch = _to_device(self.collator(invocations), device)
+        tokens_per_episode = [sum(len(inv.output_ids) for inv in ep.invocations) for ep in episodes]
+        sequence_ids = torch.repeat_interleave(
+            torch.arange(len(invocations)), torch.tensor([len(inv.output_ids) for inv in invocations])
+        ).to(device)  # (N,)
+        old_logprobs = torch.tensor(
+            [lp for inv in invocations for lp in inv.logprobs], dtype=torch.float32, device=device
+        )  # (N,)
+
+        # 3. advantages, one per action token in canonical order
+        rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
+        batch: dict[str, Any] = {"student_batch": student_batch, "old_logprobs": old_logprobs}
+        if args.advantage_estimator == "group":
+            group_ids = torch.tensor([ep.group_id for ep in episodes])
+            advantages = group_normalized_advantages(rewards, group_ids, scale=args.scale_rewards)
+            batch["advantages"] = broadcast_to_tokens(advantages, tokens_per_episode).to(device)
+        else:
+            with torch.no_grad():
+                hidden = action_hidden_states(self.accelerator.unwrap_model(self.model), student_batch)
+                values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float().cpu()
+            token_rewards = torch.zeros_like(values)
+            ends = torch.tensor(tokens_per_episode).cumsum(0) - 1
+            has_tokens = torch.tensor(tokens_per_episode) > 0
+            token_rewards[ends[has_tokens]] = rewards[has_tokens]
+            episode_advantages, episode_returns = [], []
+            for chunk_rewards, chunk_values in zip(
+                token_rewards.split(tokens_per_episode), values.split(tokens_per_episode), strict=True
+            ):
+                adv, ret = gae_advantages(chunk_rewards, chunk_values, gamma=args.gamma, lam=args.lam)
+                episode_advantages.append(adv)
+                episode_returns.append(ret)
+            batch["advantages"] = torch.cat(episode_advantages).to(device)
+            batch["returns"] = torch.cat(episode_returns).to(device)
+            batch["old_values"] = values.to(device)
+        batch["sequence_ids"] = sequence_ids
+
+        # 4. teacher scoring: hidden states at every action position, aligned (same rows) or persistent history
+        start = time.perf_counter()
+        if self.teacher_model is not None and args.distill_coef > 0:
+            teacher_batch = student_batch
+            if args.teacher_scoring == "persistent":
+                teacher_batch = _to_device(self.teacher_collator(invocations), device)
+            with torch.no_grad():
+                teacher = self.accelerator.unwrap_model(self.teacher_model)
+                batch["teacher_hidden"] = action_hidden_states(teacher, teacher_batch)  # (N, H_teacher)
+        if args.kl_coef > 0:
+            with torch.no_grad(), self._reference_context() as reference:
+                ref_hidden = action_hidden_states(reference, student_batch)
+                weight, bias = lm_head_params(reference)
+                batch["ref_logprobs"] = action_logprobs_from_hidden(
+                    ref_hidden, weight[: self.vocab_size], None if bias is None else bias[: self.vocab_size],
+                    action_token_ids(student_batch), temperature=args.temperature, chunk_size=args.logit_chunk_size,
+                )[0]
+        timings["teacher"] = time.perf_counter() - start
+
+        self._log_rollout(episodes, invocations, rollout_stats, student_batch, timings)
+        return batch
+
+    def _reference_context(self):
+        if self.ref_model is not None:
+            return nullcontext(self.accelerator.unwrap_model(self.ref_model))
+        student = self.accelerator.unwrap_model(self.model)
+        return _DisabledAdapters(student)
+
+    def _play(self, records: list[dict[str, Any]], greedy: bool) -> tuple[list[Episode], dict[str, float]]:
+        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
+            was_training = unwrapped.training
+            unwrapped.eval()
+            self.rollout_engine.model = unwrapped
+            try:
+                num_generations = 1 if greedy else self.args.num_generations
+                return self.rollout_engine.rollout(records, num_generations=num_generations, greedy=greedy)
+            finally:
+                unwrapped.train(was_training)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("MemOPDTrainer does not return model outputs from `compute_loss`.")
+        start = time.perf_counter()
+        unwrapped = self.accelerator.unwrap_model(model)
+        # Route the student forward through the wrapper (DDP/FSDP) so gradient synchronization hooks fire.
+        loss = self._forward_redirection(model, unwrapped, self._student_loss, unwrapped, inputs)
+        self._metrics["train"]["time/actor"].append(time.perf_counter() - start)
+        return loss
+
+    def _student_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        args = self.args
+        batch = inputs["student_batch"]
+        hidden = action_hidden_states(model, batch)  # (N, H)
+        weight, bias = lm_head_params(model)
+        weight = weight[: self.vocab_size]
+        bias = None if bias is None else bias[: self.vocab_size]
+        logprobs, entropy = action_logprobs_from_hidden(
+            hidden, weight, bias, action_token_ids(batch), temperature=args.temperature,
+            chunk_size=args.logit_chunk_size, return_entropy=True,
+        )  # (N,), (N,)
+
+        loss = hidden.new_zeros(())
+        metrics = self._metrics["train"]
+        if args.ppo_coef > 0:
+            ppo, stats = ppo_clip_loss(
+                logprobs, inputs["old_logprobs"], inputs["advantages"], epsilon=args.epsilon,
+                epsilon_high=args.epsilon_high, sequence_ids=inputs["sequence_ids"], aggregation=args.loss_aggregation,
+            )
+            loss = loss + args.ppo_coef * ppo
+            metrics["loss/ppo"].append(ppo.item())
+            metrics["clip_fraction"].append(float(stats["clip_fraction"]))
+            metrics["approx_kl_old"].append(float(stats["approx_kl"]))
+        if "teacher_hidden" in inputs:
+            teacher = self.accelerator.unwrap_model(self.teacher_model)
+            t_weight, t_bias = lm_head_params(teacher)
+            divergence = chunked_generalized_jsd(
+                hidden, weight, inputs["teacher_hidden"], t_weight[: self.vocab_size],
+                beta=args.beta, temperature=args.distill_temperature, student_bias=bias,
+                teacher_bias=None if t_bias is None else t_bias[: self.vocab_size], chunk_size=args.logit_chunk_size,
+            )  # (N,)
+            distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
+            loss = loss + args.distill_coef * distill
+            metrics["loss/distill"].append(distill.item())
+        if "ref_logprobs" in inputs:
+            kl = kl_penalty(logprobs, inputs["ref_logprobs"]).mean()
+            loss = loss + args.kl_coef * kl
+            metrics["kl_ref"].append(kl.item())
+        if self.value_head is not None:
+            values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+            v_loss = value_loss(values, inputs["returns"], old_values=inputs["old_values"], clip=args.epsilon)
+            loss = loss + args.vf_coef * v_loss
+            metrics["loss/value"].append(v_loss.item())
+        metrics["entropy"].append(entropy.mean().item() if entropy.numel() else 0.0)
+
+        if not torch.isfinite(loss):
+            # A non-finite loss would poison the weights: skip this update (zero gradient) and count it.
+            self.num_skipped_updates += 1
+            metrics["skipped_updates"].append(1.0)
+            warnings.warn(
+                f"Non-finite loss at step {self.state.global_step}; this update is skipped "
+                f"({self.num_skipped_updates} so far).",
+                stacklevel=2,
+            )
+            return (hidden * 0.0).sum()
+        return loss
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Logging, evaluation, model card
+    # ------------------------------------------------------------------------------------------------------------
+    def _log_rollout(self, episodes, invocations, rollout_stats, batch, timings):
+        metrics = self._metrics["train"]
+        gathered = self.accelerator.gather(
+            torch.tensor(
+                [[ep.reward, ep.f1, ep.em, ep.num_turns, ep.num_malformed, float(ep.failed)] for ep in episodes],
+                device=self.accelerator.device,
+            )
+        ).float()
+        for i, name in enumerate(["reward", "f1", "em", "turns", "malformed_actions", "failed_episodes"]):
+            metrics[name].append(gathered[:, i].mean().item())
+        metrics["reward_std"].append(gathered[:, 0].std().item() if len(gathered) > 1 else 0.0)
+        metrics["context_tokens_per_invocation"].append(
+            sum(len(inv.input_ids) for inv in invocations) / len(invocations)
+        )
+        metrics["action_tokens_per_invocation"].append(
+            sum(len(inv.output_ids) for inv in invocations) / len(invocations)
+        )
+        metrics["packing/fill"].append(float(batch.get("fill", 0.0)))
+        metrics["packing/rows"].append(float(batch["input_ids"].shape[0]))
+        for key in ("context_truncations", "failed"):
+            if key in rollout_stats:
+                metrics[f"rollout/{key}"].append(float(rollout_stats[key]))
+        for key, value in timings.items():
+            metrics[f"time/{key}"].append(value)
+        generated = sum(len(inv.output_ids) for inv in invocations)
+        if timings.get("rollout"):
+            metrics["rollout/tokens_per_second"].append(generated / timings["rollout"])
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        averaged = {key: sum(v) / len(v) for key, v in self._metrics[mode].items() if v}
+        if mode == "eval":
+            averaged = {f"eval_{key}": value for key, value in averaged.items()}
+        logs = {**logs, **averaged}
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """
+        Play one greedy episode per record of `eval_dataset` (or the trainer's) and report answer F1 / EM.
+
+        Returns:
+            `dict[str, float]`: `{prefix}_f1`, `{prefix}_em`, `{prefix}_reward`, `{prefix}_turns`,
+            `{prefix}_malformed_actions`, `{prefix}_num_episodes`.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("`evaluate()` needs an `eval_dataset` (given here or to the trainer).")
+        dataset = _as_dataset(dataset, "eval_dataset")
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        records = [dataset[i] for i in range(rank, len(dataset), world)]
+        self.model.eval()
+        episodes, _ = self._play(records, greedy=True) if records else ([], {})
+        rows = torch.tensor(
+            [[ep.f1, ep.em, ep.reward, ep.num_turns, ep.num_malformed] for ep in episodes] or torch.empty(0, 5),
+            dtype=torch.float32,
+            device=self.accelerator.device,
+        ).reshape(-1, 5)
+        gathered = self.accelerator.gather_for_metrics(rows)
+        names = ["f1", "em", "reward", "turns", "malformed_actions"]
+        count = max(1, gathered.shape[0])
+        metrics = {f"{metric_key_prefix}_{n}": gathered[:, i].sum().item() / count for i, n in enumerate(names)}
+        metrics[f"{metric_key_prefix}_num_episodes"] = float(gathered.shape[0])
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        self.model.train()
+        return metrics
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        if self.value_head is not None and self.is_world_process_zero():
+            target = output_dir or self.args.output_dir
+            torch.save(self.value_head.state_dict(), os.path.join(target, "value_head.pt"))
+        if not _internal_call and self.is_world_process_zero():
+            self.create_model_card(model_name=Path(output_dir or self.args.output_dir).name)
+
+    def _save_checkpoint(self, model, trial):
+        if self.args.hub_model_id is None:
+            model_name = Path(self.args.output_dir).name
+        else:
+            model_name = self.args.hub_model_id.split("/")[-1]
+        self.create_model_card(model_name=model_name)
+        super()._save_checkpoint(model, trial)
+
+
+class _DisabledAdapters:
+    """Context giving the base model of a PEFT student (adapters off) as the KL reference."""
+
+    def __init__(self, model):
+        self.model = model
+        self._context = model.disable_adapter() if _is_peft(model) else None
+
+    def __enter__(self):
+        if self._context is not None:
+            self._context.__enter__()
+        return self.model
+
+    def __exit__(self, *exc):
+        if self._context is not None:
+            self._context.__exit__(*exc)
+        return False
+
+
+def _is_peft(model) -> bool:
+    return is_peft_available() and isinstance(model, PeftModel)
+
+
+class RecordDataset(torch.utils.data.Dataset):
+    """A list of HotpotQA-format records as a map-style dataset (their mixed-type fields do not fit Arrow tables)."""
+
+    def __init__(self, records: list[dict[str, Any]]):
+        self.records = records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.records[index]
+
+
+def _as_dataset(data, name: str) -> "Dataset | RecordDataset":
+    if isinstance(data, (Dataset, RecordDataset)):
+        if len(data) == 0:
+            raise ValueError(f"`{name}` is empty.")
+        return data
+    if isinstance(data, (list, tuple)):
+        if not data:
+            raise ValueError(f"`{name}` is empty.")
+        bad = next((i for i, record in enumerate(data) if not isinstance(record, dict)), None)
+        if bad is not None:
+            raise TypeError(f"`{name}`[{bad}] is a {type(data[bad]).__name__}; every record must be a dict.")
+        return RecordDataset(list(data))
+    raise TypeError(f"`{name}` must be a `datasets.Dataset` or a list of dict records, got {type(data).__name__}.")
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _max_length(model) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _check_shared_vocabulary(student, teacher, tokenizer, teacher_tokenizer) -> None:
+    """Full-vocabulary supervision compares distributions id by id: both heads must cover one shared tokenizer."""
+    if teacher is None:
+        return
+    if teacher_tokenizer is not None and teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            "The teacher's tokenizer differs from the student's: full-vocabulary distillation needs one shared "
+            "vocabulary. Use a teacher of the same model family (same tokenizer)."
+        )
+    needed = len(tokenizer)
+    for role, model in (("student", student), ("teacher", teacher)):
+        rows = model.get_output_embeddings().weight.shape[0]
+        if rows < needed:
+            raise ValueError(
+                f"The {role}'s LM head has {rows} rows but the tokenizer has {needed} tokens: the teacher and the "
+                "student must share the tokenizer's vocabulary. Use models of one family, or resize the embeddings."
+            )

@@ -1,0 +1,351 @@
+"""MemOPDTrainer end to end on tiny real models: rollout, packing, teacher scoring, losses, optimizer step."""
+
+import copy
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
+from memopd_trl.envs.base import MemoryAgentEnv, StepResult
+from memopd_trl.envs.synthetic import make_synthetic_world
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_synthetic_world(8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def env_factory(world):
+    # Random tiny models write malformed actions: two of them end an episode, so each episode has two invocations
+    # and the second one's context holds a rewritten turn (what makes persistent scoring differ from aligned).
+    return HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2, system_prompt="Act.")
+
+
+class LengthRewardEnv(MemoryAgentEnv):
+    """One-turn env whose reward depends on the sampled text, so sampled episodes get different rewards."""
+
+    def task_text(self, record):
+        return record["question"]
+
+    def search(self, query):
+        return ""
+
+    def score(self, answer):
+        return {"f1": 0.0, "em": 0.0}
+
+    def step(self, action_text):
+        self.turns.append(None)
+        self.done = True
+        self.reward = (len(action_text) % 5) / 4
+        return StepResult("", self.reward, True, {})
+
+
+def make_config(tmp_path, **overrides) -> MemOPDConfig:
+    settings = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_new_tokens=10,
+        max_prompt_length=512,
+        learning_rate=1e-2,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return MemOPDConfig(**settings)
+
+
+def params_of(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def changed(before: dict, model) -> list[str]:
+    return [name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())]
+
+
+def losses_logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"teacher_scoring": "aligned"},
+        {"teacher_scoring": "persistent"},
+        {"ppo_coef": 0.0},
+        {"kl_coef": 0.1},
+    ],
+    ids=["aligned", "persistent", "distill-only", "with-kl"],
+)
+def test_one_step_updates_student_not_teacher(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, settings):
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1, hidden_size=48)
+    student_before, teacher_before = params_of(student), params_of(teacher)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=make_config(tmp_path, **settings),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert changed(student_before, student), "the student did not change"
+    assert not changed(teacher_before, teacher), "the teacher changed"
+    distill = losses_logged(trainer, "loss/distill")
+    assert distill and all(torch.isfinite(torch.tensor(distill))) and distill[0] > 0
+    assert all(torch.isfinite(torch.tensor(losses_logged(trainer, "loss"))))
+    if settings.get("ppo_coef", 1.0) > 0:
+        assert losses_logged(trainer, "loss/ppo")
+
+
+def test_ppo_only_needs_no_teacher_and_learns_from_varied_rewards(tmp_path, world, make_tiny_model, tiny_tokenizer):
+    student = make_tiny_model(seed=0)
+    before = params_of(student)
+    trainer = MemOPDTrainer(
+        model=student,
+        args=make_config(tmp_path, distill_coef=0.0, num_generations=4, temperature=1.5),
+        train_dataset=world.records,
+        env_factory=LengthRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert trainer.teacher_model is None
+    assert losses_logged(trainer, "reward_std")[0] > 0, "the test needs rewards that differ within a group"
+    assert changed(before, student)
+
+
+def test_ppo_only_with_all_equal_rewards_gives_zero_gradient(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    # A random model only writes malformed actions: every reward is 0, every group degenerate, every advantage 0.
+    student = make_tiny_model(seed=0)
+    before = params_of(student)
+    trainer = MemOPDTrainer(
+        model=student,
+        args=make_config(tmp_path, distill_coef=0.0),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert losses_logged(trainer, "reward") == [0.0]
+    assert losses_logged(trainer, "loss/ppo") == [0.0]
+    assert not changed(before, student), "zero advantages must leave the weights unchanged"
+
+
+def test_distillation_on_a_fixed_batch_lowers_gjsd(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    # steps_per_generation reuses one rollout batch: pure distillation on it must bring the student to the teacher.
+    teacher = make_tiny_model(seed=1)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(5.0)  # a confident teacher, far from the near-uniform student
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        teacher_model=teacher,
+        args=make_config(tmp_path, ppo_coef=0.0, beta=0.0, max_steps=8, steps_per_generation=8, learning_rate=1e-2),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    distill = losses_logged(trainer, "loss/distill")
+    assert len(distill) == 8
+    assert distill[-1] < 0.5 * distill[0], distill
+
+
+def test_lora_student_trains_adapters_only(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    from peft import LoraConfig
+
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    base_before, teacher_before = params_of(student), params_of(teacher)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=make_config(tmp_path),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+    )
+    lora_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    lora_after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(lora_before[n], lora_after[n].detach()) for n in lora_before), "adapters did not train"
+    base_names = {n for n in base_before if "lora" not in n}
+    frozen = {n.replace("base_model.model.", "").replace(".base_layer", ""): p for n, p in lora_after.items()}
+    assert all(torch.equal(base_before[n], frozen[n].detach()) for n in base_names), "base weights changed"
+    assert not changed(teacher_before, teacher)
+
+
+def test_vocabulary_mismatch_is_a_clear_error(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    with pytest.raises(ValueError, match="share the tokenizer's vocabulary"):
+        MemOPDTrainer(
+            model=make_tiny_model(),
+            teacher_model=make_tiny_model(vocab_size=64),
+            args=make_config(tmp_path),
+            train_dataset=world.records,
+            env_factory=env_factory,
+            processing_class=tiny_tokenizer,
+        )
+
+
+def test_teacher_tokenizer_mismatch_is_a_clear_error(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    other = copy.deepcopy(tiny_tokenizer)
+    other.add_tokens(["<extra_token>"])
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        MemOPDTrainer(
+            model=make_tiny_model(),
+            teacher_model=make_tiny_model(),
+            args=make_config(tmp_path),
+            train_dataset=world.records,
+            env_factory=env_factory,
+            processing_class=tiny_tokenizer,
+            teacher_processing_class=other,
+        )
+
+
+def test_missing_env_teacher_or_dataset_are_clear_errors(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    common = dict(args=make_config(tmp_path), processing_class=tiny_tokenizer)
+    with pytest.raises(ValueError, match="env_factory"):
+        MemOPDTrainer(model=make_tiny_model(), teacher_model=make_tiny_model(), train_dataset=world.records, **common)
+    with pytest.raises(ValueError, match="needs a teacher"):
+        MemOPDTrainer(model=make_tiny_model(), train_dataset=world.records, env_factory=env_factory, **common)
+    with pytest.raises(ValueError, match="train_dataset"):
+        MemOPDTrainer(model=make_tiny_model(), teacher_model=make_tiny_model(), env_factory=env_factory, **common)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("beta", 1.5, "`beta` must be in"),
+        ("teacher_scoring", "flat", "`teacher_scoring` must be one of"),
+        ("num_generations", 1, "num_generations"),
+        ("max_tokens_per_row", 0, "`max_tokens_per_row` must be >= 1"),
+        ("epsilon", -0.1, "`epsilon` must be >= 0"),
+        ("top_p", 0.0, "`top_p` must be in"),
+        ("memory_policy", "forgetful", "`memory_policy` must be one of"),
+    ],
+)
+def test_bad_config_values_name_the_field(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(tmp_path, **{field: value})
+
+
+def test_default_config_works_on_cpu(tmp_path):
+    config = MemOPDConfig(output_dir=str(tmp_path))
+    assert config.bf16 is (torch.cuda.is_available())
+    assert config.teacher_scoring == "aligned" and config.distill_coef > 0 and config.ppo_coef > 0
+
+
+def test_every_packed_forward_disables_cache_and_mask(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    # With use_cache=True or an attention mask, transformers silently lets packed invocations attend to each other.
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    seen = []
+
+    def spy(module, args, kwargs):
+        position_ids = kwargs.get("position_ids")
+        scoring = kwargs.get("past_key_values") is None  # generation runs with a KV cache; scoring must not
+        if scoring and position_ids is not None and bool((position_ids.diff(dim=-1) != 1).any()):
+            seen.append((kwargs.get("use_cache"), kwargs.get("attention_mask")))
+
+    hooks = [m.get_decoder().register_forward_pre_hook(spy, with_kwargs=True) for m in (student, teacher)]
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=make_config(tmp_path, max_tokens_per_row=4096),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) >= 2, "expected packed forwards of the teacher and the student"
+    assert all(use_cache is False and mask is None for use_cache, mask in seen), seen
+
+
+def test_save_reload_gives_same_outputs_and_writes_model_card(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    student = make_tiny_model(seed=0)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    save_dir = tmp_path / "saved"
+    trainer.save_model(str(save_dir))
+    assert (save_dir / "model.safetensors").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(save_dir)
+    ids = torch.tensor([tiny_tokenizer("Where was the director born?")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, student.eval()(ids).logits)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "memopd" in card and "trl" in card
+    assert "2608.07068" in card
+    assert "MemOPD" in card
+
+
+def test_evaluate_plays_greedy_episodes_and_reports_f1_em(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path),
+        train_dataset=world.records,
+        eval_dataset=world.records[:3],
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    metrics = trainer.evaluate()
+    assert metrics["eval_num_episodes"] == 3
+    assert {"eval_f1", "eval_em", "eval_turns", "eval_malformed_actions"} <= set(metrics)
+    assert 0.0 <= metrics["eval_f1"] <= 1.0
+    assert metrics["eval_turns"] >= 1
+
+
+class StopAfter(TrainerCallback):
+    """Stops training after `step` steps, as a crash or preemption would (the checkpoint of that step is saved)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resume_from_checkpoint_reaches_the_same_weights(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    def run(output, resume=None, callbacks=None):
+        student = make_tiny_model(seed=0)
+        trainer = MemOPDTrainer(
+            model=student,
+            teacher_model=make_tiny_model(seed=1),
+            args=make_config(tmp_path, output_dir=str(tmp_path / output), max_steps=3, save_strategy="steps", save_steps=1),
+            train_dataset=world.records,
+            env_factory=env_factory,
+            processing_class=tiny_tokenizer,
+            callbacks=callbacks,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return student, trainer
+
+    straight, _ = run("straight")
+    _, stopped = run("interrupted", callbacks=[StopAfter(2)])
+    assert stopped.state.global_step == 2
+    checkpoint = tmp_path / "interrupted" / "checkpoint-2"
+    assert checkpoint.is_dir() and os.listdir(checkpoint)
+    resumed, trainer = run("interrupted", resume=str(checkpoint))
+    assert trainer.state.global_step == 3
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{name} differs after resuming")
