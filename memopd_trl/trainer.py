@@ -13,7 +13,6 @@ One training step, top to bottom (see `_rollout_and_score` and `_student_loss`):
 The trainer orchestrates; the maths lives in `losses.py`, the packing in `packing.py`, the forwards in `scoring.py`.
 """
 
-import math
 import os
 import time
 import warnings
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_callback import TrainerCallback
@@ -63,6 +63,9 @@ _PAPER = {
     eprint       = {arXiv:2608.07068}
 }""",
 }
+
+
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 def _identity_collator(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -192,6 +195,7 @@ class MemOPDTrainer(_BaseTrainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._buffer: dict[str, Any] | None = None
         self._buffer_step = -1
+        self._skip_update = False
         self.num_skipped_updates = 0
 
         super().__init__(
@@ -282,6 +286,18 @@ class MemOPDTrainer(_BaseTrainer):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if self.value_head is not None:
             optimizer.add_param_group({"params": list(self.value_head.parameters()), "weight_decay": 0.0})
+        step = optimizer.step
+
+        def step_unless_skipped(*args, **kwargs):
+            # A non-finite loss on any process skips the whole update everywhere (gradients are all-reduced).
+            skip = torch.tensor(float(self._skip_update), device=self.accelerator.device)
+            self._skip_update = False
+            if self.accelerator.reduce(skip, reduction="sum").item() > 0:
+                optimizer.zero_grad(set_to_none=True)
+                return None
+            return step(*args, **kwargs)
+
+        optimizer.step = step_unless_skipped
         return optimizer
 
     # ------------------------------------------------------------------------------------------------------------
@@ -437,16 +453,19 @@ class MemOPDTrainer(_BaseTrainer):
             metrics["loss/value"].append(v_loss.item())
         metrics["entropy"].append(entropy.mean().item() if entropy.numel() else 0.0)
 
+        metrics["skipped_updates"].append(float(self.num_skipped_updates))
         if not torch.isfinite(loss):
-            # A non-finite loss would poison the weights: skip this update (zero gradient) and count it.
+            # A NaN/inf (teacher or student log-probs, an overflow) would poison the weights: the optimizer step of
+            # this update is skipped (see `create_optimizer`), counted and reported; training goes on.
             self.num_skipped_updates += 1
-            metrics["skipped_updates"].append(1.0)
+            self._skip_update = True
+            metrics["skipped_updates"][-1] = float(self.num_skipped_updates)
             warnings.warn(
-                f"Non-finite loss at step {self.state.global_step}; this update is skipped "
-                f"({self.num_skipped_updates} so far).",
+                f"Non-finite loss ({loss.item()}) at step {self.state.global_step}: this update is skipped "
+                f"({self.num_skipped_updates} skipped so far).",
                 stacklevel=2,
             )
-            return (hidden * 0.0).sum()
+            return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
         return loss
 
     # ------------------------------------------------------------------------------------------------------------
@@ -522,11 +541,20 @@ class MemOPDTrainer(_BaseTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         super().save_model(output_dir, _internal_call)
-        if self.value_head is not None and self.is_world_process_zero():
-            target = output_dir or self.args.output_dir
-            torch.save(self.value_head.state_dict(), os.path.join(target, "value_head.pt"))
         if not _internal_call and self.is_world_process_zero():
             self.create_model_card(model_name=Path(output_dir or self.args.output_dir).name)
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        if self.value_head is not None:
+            target = output_dir or self.args.output_dir
+            save_file(self.value_head.state_dict(), os.path.join(target, VALUE_HEAD_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, VALUE_HEAD_FILE)
+        if self.value_head is not None and os.path.exists(path):
+            self.value_head.load_state_dict(load_file(path, device=str(self.accelerator.device)))
 
     def _save_checkpoint(self, model, trial):
         if self.args.hub_model_id is None:

@@ -1,0 +1,101 @@
+"""Trainer-side faults and the GAE option: a bad update never reaches the weights, a value head trains and resumes."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memopd_trl import HotpotQAEnv, MemOPDTrainer
+from memopd_trl.envs.synthetic import make_synthetic_world
+from memopd_trl.trainer import VALUE_HEAD_FILE
+
+from test_trainer import LengthRewardEnv, changed, losses_logged, make_config, params_of
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_synthetic_world(8, seed=0)
+
+
+@pytest.fixture(scope="module")
+def env_factory(world):
+    return HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2, system_prompt="Act.")
+
+
+def test_non_finite_teacher_scores_skip_the_update_and_keep_weights_finite(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight[3, 0] = float("nan")  # NaN teacher log-probs everywhere
+    before = params_of(student)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=make_config(tmp_path, max_steps=2, learning_rate=1e-2),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    with pytest.warns(UserWarning, match="Non-finite loss"):
+        trainer.train()
+    assert trainer.num_skipped_updates == 2
+    assert losses_logged(trainer, "skipped_updates") == [1.0, 2.0]
+    assert not changed(before, student), "a skipped update must not move the weights (not even by Adam momentum)"
+    assert all(torch.isfinite(p).all() for p in student.parameters())
+    assert trainer.state.global_step == 2, "training goes on after a skipped update"
+
+
+def test_a_bad_update_between_good_ones_is_skipped_but_the_good_ones_apply(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=make_config(tmp_path, max_steps=3, learning_rate=1e-2),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    rollout_and_score = trainer._rollout_and_score
+    snapshots = {}
+
+    def poison_second_batch(records):
+        batch = rollout_and_score(records)
+        snapshots[trainer.state.global_step] = params_of(student)
+        if trainer.state.global_step == 1:
+            batch["teacher_hidden"] = torch.full_like(batch["teacher_hidden"], float("inf"))
+        return batch
+
+    trainer._rollout_and_score = poison_second_batch
+    with pytest.warns(UserWarning, match="Non-finite loss"):
+        trainer.train()
+    assert trainer.num_skipped_updates == 1
+    first, poisoned, last = snapshots[0], snapshots[1], snapshots[2]
+    assert any(not torch.equal(first[n], poisoned[n]) for n in first), "the first (good) update did not apply"
+    assert all(torch.equal(poisoned[n], last[n]) for n in poisoned), "the poisoned update moved the weights"
+    assert changed(last, student), "the third (good) update did not apply"
+    assert all(torch.isfinite(p).all() for p in student.parameters())
+
+
+def test_gae_trains_a_value_head_and_saves_it_as_safetensors(tmp_path, world, make_tiny_model, tiny_tokenizer):
+    student = make_tiny_model(seed=0)
+    before = params_of(student)
+    trainer = MemOPDTrainer(
+        model=student,
+        args=make_config(
+            tmp_path, distill_coef=0.0, advantage_estimator="gae", num_generations=2, max_steps=2, temperature=1.5
+        ),
+        train_dataset=world.records,
+        env_factory=LengthRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    head_before = {k: v.clone() for k, v in trainer.value_head.state_dict().items()}
+    trainer.train()
+    assert losses_logged(trainer, "loss/value"), "the value loss was not logged"
+    assert any(not torch.equal(head_before[k], v) for k, v in trainer.value_head.state_dict().items())
+    assert changed(before, student)
+    trainer.save_model(str(tmp_path / "saved"))
+    saved = load_file(str(tmp_path / "saved" / VALUE_HEAD_FILE))
+    for key, value in trainer.value_head.state_dict().items():
+        torch.testing.assert_close(saved[key], value)
