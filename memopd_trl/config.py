@@ -7,7 +7,14 @@ import torch
 from trl.trainer.base_config import _BaseConfig
 
 
-_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+_ATTN_IMPLEMENTATIONS = (
+    "eager",
+    "sdpa",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "memopd_sdpa_varlen",  # padding-free packed attention with plain torch sdpa (registered by memopd_trl.scoring)
+)
 
 
 @dataclass
@@ -34,7 +41,8 @@ class MemOPDConfig(_BaseConfig):
             Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string.
         attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
             Attention implementation of the student when loaded from a string: `"eager"`, `"sdpa"`,
-            `"flex_attention"`, `"flash_attention_2"` or `"flash_attention_3"`.
+            `"flex_attention"`, `"flash_attention_2"`, `"flash_attention_3"` or `"memopd_sdpa_varlen"` (padding-free
+            packed attention with plain torch sdpa, the fastest choice on CPU).
         teacher_attn_implementation (`str`, *optional*):
             Attention implementation of the teacher; defaults to `attn_implementation`.
         trust_remote_code (`bool`, *optional*, defaults to `False`):
@@ -44,13 +52,13 @@ class MemOPDConfig(_BaseConfig):
 
         > Parameters that control the environment and the rollouts
 
-        memory_policy (`str`, *optional*, defaults to `"compact"`):
+        memory_policy (`str`, *optional*):
             Context the agent sees at each turn: `"compact"` (task, latest memory, latest observation) or
-            `"persistent"` (every turn so far).
-        action_format (`str`, *optional*, defaults to `"memopd"`):
-            Tag preset of the action grammar: `"memopd"` or `"mem1"`.
-        max_turns (`int`, *optional*, defaults to `6`):
-            Turns after which an unanswered episode ends with reward 0.
+            `"persistent"` (every turn so far). When set, it overrides the env factory's own setting.
+        action_format (`str`, *optional*):
+            Tag preset of the action grammar, `"memopd"` or `"mem1"`; overrides the env factory's when set.
+        max_turns (`int`, *optional*):
+            Turns after which an unanswered episode ends with reward 0; overrides the env factory's when set.
         max_new_tokens (`int`, *optional*, defaults to `128`):
             Maximum number of tokens sampled per model call.
         max_prompt_length (`int`, *optional*, defaults to `2048`):
@@ -65,7 +73,8 @@ class MemOPDConfig(_BaseConfig):
         top_k (`int`, *optional*, defaults to `0`):
             Top-k sampling of the rollouts (0 disables it).
         use_vllm (`bool`, *optional*, defaults to `False`):
-            Whether to generate with vLLM (GPU, `pip install memopd-trl[vllm]`).
+            Whether to generate with vLLM. Not supported by the trainer yet (a clear error); the rollout engine's
+            vLLM backend serves evaluation of a fixed model (GPU, `pip install memopd-trl[vllm]`).
 
         > Parameters that control the loss
 
@@ -169,14 +178,20 @@ class MemOPDConfig(_BaseConfig):
     )
 
     # Environment and rollouts
-    memory_policy: str = field(
-        default="compact",
-        metadata={"help": "Context the agent sees each turn.", "choices": ["compact", "persistent"]},
+    memory_policy: str | None = field(
+        default=None,
+        metadata={
+            "help": "Context the agent sees each turn (`compact` or `persistent`); overrides the env factory's.",
+        },
     )
-    action_format: str = field(
-        default="memopd", metadata={"help": "Tag preset of the action grammar.", "choices": ["memopd", "mem1"]}
+    action_format: str | None = field(
+        default=None,
+        metadata={"help": "Tag preset of the action grammar (`memopd` or `mem1`); overrides the env factory's."},
     )
-    max_turns: int = field(default=6, metadata={"help": "Turns after which an unanswered episode ends (reward 0)."})
+    max_turns: int | None = field(
+        default=None,
+        metadata={"help": "Turns after which an unanswered episode ends (reward 0); overrides the env factory's."},
+    )
     max_new_tokens: int = field(default=128, metadata={"help": "Maximum number of tokens sampled per model call."})
     max_prompt_length: int = field(
         default=2048,
@@ -188,7 +203,9 @@ class MemOPDConfig(_BaseConfig):
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the rollouts."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold of the rollouts."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling of the rollouts (0 disables it)."})
-    use_vllm: bool = field(default=False, metadata={"help": "Whether to generate with vLLM (GPU only)."})
+    use_vllm: bool = field(
+        default=False, metadata={"help": "Generate with vLLM (GPU only). Not supported by MemOPDTrainer yet."}
+    )
 
     # Loss
     distill_coef: float = field(
@@ -273,8 +290,15 @@ class MemOPDConfig(_BaseConfig):
             bad("top_p", "in (0, 1]")
         if self.top_k < 0:
             bad("top_k", ">= 0")
+        if self.max_turns is not None and self.max_turns < 1:
+            bad("max_turns", ">= 1")
+        if self.use_vllm:
+            raise ValueError(
+                "`use_vllm=True` is not supported by MemOPDTrainer yet: the trainer generates with the student's own "
+                "weights through Hugging Face `generate`, and syncing updated weights into a vLLM engine is not "
+                "implemented. `RolloutEngine(backend='vllm', vllm_llm=...)` can evaluate a fixed model with vLLM."
+            )
         for name in (
-            "max_turns",
             "max_new_tokens",
             "max_prompt_length",
             "num_generations",
@@ -289,8 +313,6 @@ class MemOPDConfig(_BaseConfig):
         if not 0.0 <= self.lam <= 1.0:
             bad("lam", "in [0, 1]")
         choices = {
-            "memory_policy": ("compact", "persistent"),
-            "action_format": ("memopd", "mem1"),
             "teacher_scoring": ("aligned", "persistent"),
             "loss_aggregation": ("token_mean", "sequence_mean"),
             "advantage_estimator": ("group", "gae"),
@@ -298,6 +320,10 @@ class MemOPDConfig(_BaseConfig):
         }
         if self.teacher_attn_implementation is not None:
             choices["teacher_attn_implementation"] = _ATTN_IMPLEMENTATIONS
+        if self.memory_policy is not None:
+            choices["memory_policy"] = ("compact", "persistent")
+        if self.action_format is not None:
+            choices["action_format"] = ("memopd", "mem1")
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 bad(name, f"one of {list(allowed)}")

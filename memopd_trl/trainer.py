@@ -191,10 +191,12 @@ class MemOPDTrainer(_BaseTrainer):
             if teacher_model is not None:
                 disable_dropout_in_model(teacher_model)
 
+        env_factory = _apply_env_overrides(env_factory, args)
+        _check_logit_transforms(model, teacher_model)
         self.env_factory = env_factory
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._buffer: dict[str, Any] | None = None
-        self._buffer_step = -1
+        self._buffers: dict[int, dict[str, Any]] = {}  # rollout batch of each gradient-accumulation slot
+        self._micro_step: int | None = None
         self._skip_update = False
         self.num_skipped_updates = 0
 
@@ -234,6 +236,9 @@ class MemOPDTrainer(_BaseTrainer):
         self.teacher_collator = PackedInvocationCollator(
             max_tokens_per_row=args.max_tokens_per_row,
             pad_token_id=processing_class.pad_token_id,
+            max_model_length=(
+                _max_length(self.accelerator.unwrap_model(self.teacher_model)) if self.teacher_model is not None else None
+            ),
             history=args.teacher_scoring,
         )
         self.rollout_engine = RolloutEngine(
@@ -245,7 +250,7 @@ class MemOPDTrainer(_BaseTrainer):
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            backend="vllm" if args.use_vllm else "hf",
+            backend="hf",
         )
 
     # ------------------------------------------------------------------------------------------------------------
@@ -270,13 +275,15 @@ class MemOPDTrainer(_BaseTrainer):
         return self.accelerator.prepare_model(reference.eval(), evaluation_mode=True)
 
     def _get_train_sampler(self, train_dataset=None) -> torch.utils.data.Sampler:
-        # Each batch of questions is yielded `steps_per_generation` times in a row; the rollout happens on its first
-        # occurrence and the following updates reuse it (see `_prepare_inputs`).
+        # The questions of one optimizer step (all processes, all gradient-accumulation micro-batches) are yielded
+        # `steps_per_generation` times in a row; each micro-batch is rolled out on its first occurrence and the
+        # following updates reuse it (see `_prepare_inputs`).
         dataset = train_dataset if train_dataset is not None else self.train_dataset
+        args = self.args
         return RepeatSampler(
             data_source=dataset,
             mini_repeat_count=1,
-            batch_size=self.args.per_device_train_batch_size * self.accelerator.num_processes,
+            batch_size=args.per_device_train_batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
             repeat_count=self.args.steps_per_generation,
             shuffle=True,
             seed=self.args.seed,
@@ -304,11 +311,15 @@ class MemOPDTrainer(_BaseTrainer):
     # One training step
     # ------------------------------------------------------------------------------------------------------------
     def _prepare_inputs(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        generation_step = self.state.global_step // self.args.steps_per_generation
-        if self._buffer is None or generation_step != self._buffer_step:
-            self._buffer = self._rollout_and_score(records)
-            self._buffer_step = generation_step
-        return self._buffer
+        accumulation = self.args.gradient_accumulation_steps
+        if self._micro_step is None:  # first call of this run (or of a resumed run)
+            self._micro_step = self.state.global_step * accumulation
+        slot = self._micro_step % accumulation
+        first_update_of_round = (self._micro_step // accumulation) % self.args.steps_per_generation == 0
+        if first_update_of_round or slot not in self._buffers:
+            self._buffers[slot] = self._rollout_and_score(records)
+        self._micro_step += 1
+        return self._buffers[slot]
 
     def _rollout_and_score(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         args, device = self.args, self.accelerator.device
@@ -490,9 +501,9 @@ class MemOPDTrainer(_BaseTrainer):
         )
         metrics["packing/fill"].append(float(batch.get("fill", 0.0)))
         metrics["packing/rows"].append(float(batch["input_ids"].shape[0]))
-        for key in ("context_truncations", "failed"):
+        for key in ("num_context_truncations", "num_failed_episodes", "num_prompt_too_long", "num_truncated_outputs"):
             if key in rollout_stats:
-                metrics[f"rollout/{key}"].append(float(rollout_stats[key]))
+                metrics[f"rollout/{key.removeprefix('num_')}"].append(float(rollout_stats[key]))
         for key, value in timings.items():
             metrics[f"time/{key}"].append(value)
         generated = sum(len(inv.output_ids) for inv in invocations)
@@ -524,16 +535,17 @@ class MemOPDTrainer(_BaseTrainer):
         records = [dataset[i] for i in range(rank, len(dataset), world)]
         self.model.eval()
         episodes, _ = self._play(records, greedy=True) if records else ([], {})
-        rows = torch.tensor(
-            [[ep.f1, ep.em, ep.reward, ep.num_turns, ep.num_malformed] for ep in episodes] or torch.empty(0, 5),
+        # Sums and counts (same shape on every process, whatever the number of records each one played).
+        local = torch.tensor(
+            [[ep.f1, ep.em, ep.reward, ep.num_turns, ep.num_malformed, 1.0] for ep in episodes],
             dtype=torch.float32,
             device=self.accelerator.device,
-        ).reshape(-1, 5)
-        gathered = self.accelerator.gather_for_metrics(rows)
+        ).reshape(-1, 6).sum(0)
+        totals = self.accelerator.reduce(local, reduction="sum")
         names = ["f1", "em", "reward", "turns", "malformed_actions"]
-        count = max(1, gathered.shape[0])
-        metrics = {f"{metric_key_prefix}_{n}": gathered[:, i].sum().item() / count for i, n in enumerate(names)}
-        metrics[f"{metric_key_prefix}_num_episodes"] = float(gathered.shape[0])
+        count = max(1.0, totals[-1].item())
+        metrics = {f"{metric_key_prefix}_{n}": totals[i].item() / count for i, n in enumerate(names)}
+        metrics[f"{metric_key_prefix}_num_episodes"] = totals[-1].item()
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         self.model.train()
@@ -619,6 +631,40 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def _apply_env_overrides(env_factory: Callable[[], Any], args: MemOPDConfig) -> Callable[[], Any]:
+    """Rebuild the env factory with the config's `memory_policy` / `action_format` / `max_turns` when they are set."""
+    overrides = {
+        name: getattr(args, name)
+        for name in ("memory_policy", "action_format", "max_turns")
+        if getattr(args, name) is not None
+    }
+    if not overrides:
+        return env_factory
+    env_class, kwargs = getattr(env_factory, "env_class", None), getattr(env_factory, "kwargs", None)
+    if env_class is None or kwargs is None:
+        raise ValueError(
+            f"The config sets {sorted(overrides)}, but `env_factory` is a plain callable the trainer cannot rebuild. "
+            "Set these on the environment itself, or use `YourEnv.factory(...)`, which records its arguments."
+        )
+    return env_class.factory(**{**kwargs, **overrides})
+
+
+def _check_logit_transforms(*models) -> None:
+    """The chunked losses read raw LM-head weights: models that scale or soft-cap their logits are not supported."""
+    for model in models:
+        if model is None:
+            continue
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        scale = getattr(config, "logit_scale", None)
+        softcap = getattr(config, "final_logit_softcapping", None)
+        if softcap is not None or scale not in (None, 1, 1.0):
+            raise ValueError(
+                f"{config.model_type} models transform their logits (logit_scale={scale}, "
+                f"final_logit_softcapping={softcap}), which the chunked distillation loss does not apply yet. "
+                "Use a model family without logit soft-capping or scaling (e.g. Qwen2/Llama)."
+            )
+
+
 def _max_length(model) -> int | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return getattr(config, "max_position_embeddings", None)
@@ -635,7 +681,9 @@ def _check_shared_vocabulary(student, teacher, tokenizer, teacher_tokenizer) -> 
         )
     needed = len(tokenizer)
     for role, model in (("student", student), ("teacher", teacher)):
-        rows = model.get_output_embeddings().weight.shape[0]
+        weight = model.get_output_embeddings().weight
+        # Under DeepSpeed ZeRO-3 a partitioned weight has no rows here: read the size from the config instead.
+        rows = weight.shape[0] if weight.numel() else model.config.get_text_config().vocab_size
         if rows < needed:
             raise ValueError(
                 f"The {role}'s LM head has {rows} rows but the tokenizer has {needed} tokens: the teacher and the "

@@ -349,3 +349,45 @@ def test_resume_from_checkpoint_reaches_the_same_weights(
     assert trainer.state.global_step == 3
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=f"{name} differs after resuming")
+
+
+def test_gradient_accumulation_rolls_out_every_micro_batch(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path, max_steps=2, gradient_accumulation_steps=2, steps_per_generation=2),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    played = []
+    rollout_and_score = trainer._rollout_and_score
+
+    def record(records):
+        played.append(tuple(r["_id"] for r in records))
+        return rollout_and_score(records)
+
+    trainer._rollout_and_score = record
+    trainer.train()
+    # Step 1 rolls out its two micro-batches; step 2 reuses both (steps_per_generation=2).
+    assert len(played) == 2 and played[0] != played[1], played
+
+
+def test_config_overrides_the_env_factory_settings(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path, memory_policy="persistent", max_turns=3, action_format="mem1"),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    env = trainer.env_factory()
+    assert env.memory_policy.name == "persistent" and env.max_turns == 3
+    assert env.action_format.memory_tag == "think"
+    assert env.retriever is env_factory.retriever, "the retriever must be shared, not rebuilt"
+
+
+def test_use_vllm_is_a_clear_error_until_weight_sync_exists(tmp_path):
+    with pytest.raises(ValueError, match="use_vllm"):
+        make_config(tmp_path, use_vllm=True)
