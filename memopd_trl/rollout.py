@@ -183,8 +183,9 @@ class RolloutEngine:
 
     A context longer than `max_prompt_length` tokens is first rebuilt smaller by the environment
     (`env.messages(char_budget=...)`, the budget shrinking geometrically); the sampled actions are never cut. If no
-    budget fits, the episode ends as failed (`info["end_reason"] = "prompt_too_long"`). An environment that raises
-    fails its episode (`info["end_reason"] = "env_error"`) and the rollout goes on. Failed episodes have reward 0.
+    budget fits, the episode ends as failed (`info["end_reason"] = "prompt_too_long"`). An environment that raises, or
+    whose observation the tokenizer cannot encode, fails its episode (`info["end_reason"] = "env_error"`) and the
+    rollout goes on. Failed episodes have reward 0.
 
     Args:
         model (`PreTrainedModel` or `None`):
@@ -456,7 +457,9 @@ class RolloutEngine:
             {"role": "user", "content": observation},
         ]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if text.count(_SENTINEL) != 1:
+        # An observation is untrusted text (retrieved passages) and may itself hold the sentinel; the assistant
+        # message comes first, so the first occurrence is the one that marks where its content was written.
+        if text.count(_SENTINEL) != 1 + observation.count(_SENTINEL):
             raise ValueError(
                 "The tokenizer's chat template does not render assistant messages verbatim, so the tokens that follow "
                 "an action cannot be derived; use a template that writes `message['content']` as is."
@@ -496,8 +499,11 @@ class RolloutEngine:
             return
         if result.done or state.env.done:
             self._close(state, failed=False, reason=getattr(state.env, "end_reason", None) or "done")
-        else:
+            return
+        try:
             invocation.observation_ids = self._observation_ids(action.output_ids, result.observation)
+        except Exception as err:  # an observation the tokenizer cannot encode must not stop the other episodes
+            self._fail(state, "env_error", stats, f"encoding the observation raised {type(err).__name__}: {err}")
 
     def _close(self, state: _LiveEpisode, failed: bool, reason: str) -> None:
         env, episode = state.env, state.episode

@@ -30,8 +30,22 @@ SETTINGS = ("distractor", "fullwiki")
 
 def _fail(record: Any, index: int | None, message: str) -> ValueError:
     record_id = record.get("_id") if isinstance(record, dict) else None
-    where = f"record {record_id!r}" if isinstance(record_id, str) else f"record at index {index}"
+    usable = isinstance(record_id, str) and record_id.strip()
+    where = f"record {record_id!r}" if usable else f"record at index {index}"
     return ValueError(f"HotpotQA {where}: {message}")
+
+
+def _check_text(record: Any, index: int | None, field: str, text: str) -> None:
+    # JSON's \u escapes can spell a lone surrogate (e.g. "\ud800"), which is not Unicode text: tokenizers refuse it.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise _fail(
+            record,
+            index,
+            f"field {field} holds a lone surrogate ({text[err.start]!r}), which is not valid Unicode text; fix the "
+            "file's \\u escapes (a surrogate must come in a high+low pair).",
+        ) from None
 
 
 def validate_record(
@@ -39,7 +53,8 @@ def validate_record(
 ) -> None:
     """
     Check that a record has HotpotQA's official layout; raise a `ValueError` naming the record `_id` (or its index
-    when it has no usable `_id`) and the field otherwise.
+    when it has no usable `_id`) and the field otherwise. Text fields must be valid Unicode (no lone surrogate from a
+    bad `\\u` escape); `_id`, `question` and (when labels are required) `answer` must not be empty.
 
     Args:
         record (`dict`): the record.
@@ -60,6 +75,12 @@ def validate_record(
     for name in ("_id", "question", "answer", "type", "level"):
         if name in record and not isinstance(record[name], str):
             raise _fail(record, index, f"field {name!r} must be a string, got {type(record[name]).__name__}.")
+        if name in record:
+            _check_text(record, index, repr(name), record[name])
+    for name in ("_id", "question") + (("answer",) if require_labels else ()):
+        if not record[name].strip():
+            hint = " (pass require_labels=False for unlabeled data)" if name == "answer" else ""
+            raise _fail(record, index, f"field {name!r} is empty; it must hold text{hint}.")
     for name, allowed in (("type", QUESTION_TYPES), ("level", LEVELS)):
         value = record.get(name)
         if value is not None and value not in allowed and (require_labels or value != ""):
@@ -77,6 +98,7 @@ def validate_record(
         title, sentences = paragraph
         if not isinstance(sentences, list | tuple) or not all(isinstance(s, str) for s in sentences):
             raise _fail(record, index, f"field 'context'[{i}] ({title!r}): sentences must be a list of strings.")
+        _check_text(record, index, f"'context'[{i}]", title + "".join(sentences))
         paragraphs.setdefault(title, len(sentences))
 
     if "supporting_facts" not in record:
@@ -175,7 +197,8 @@ def load_hotpotqa(
             Require `answer`, `supporting_facts`, `type` and `level` (set `False` for an unlabeled test file).
 
     Returns:
-        `list[dict]`: the records, in file order.
+        `list[dict]`: the records, in file order. Every record is kept as it is: none is dropped or repaired, and a
+        bad one, a file that is not UTF-8 (its line is named) or a line that is not JSON raises a `ValueError`.
     """
     if name not in SETTINGS:
         raise ValueError(f"`name` must be one of {SETTINGS}, got {name!r}.")
@@ -197,10 +220,11 @@ def load_hotpotqa(
 def _read_local(path: Path, suffix: str, limit: int | None) -> list[dict[str, Any]]:
     if suffix == ".jsonl":
         records = []
-        with path.open(encoding="utf-8") as file:
-            for line_number, line in enumerate(file, start=1):
+        with path.open("rb") as file:
+            for line_number, raw in enumerate(file, start=1):
                 if limit is not None and len(records) >= limit:
                     break
+                line = _decode(path, raw, line_number)
                 if not line.strip():
                     continue
                 try:
@@ -211,7 +235,7 @@ def _read_local(path: Path, suffix: str, limit: int | None) -> list[dict[str, An
     if suffix != ".json":
         raise ValueError(f"{path}: unknown file type {suffix!r}; give a .json (array) or .jsonl (one record a line).")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_decode(path, path.read_bytes()))
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err.msg} at line {err.lineno}).") from None
     if not isinstance(data, list):
@@ -219,6 +243,22 @@ def _read_local(path: Path, suffix: str, limit: int | None) -> list[dict[str, An
             f"{path} must hold a JSON array of records (HotpotQA's official layout), got {type(data).__name__}."
         )
     return data[:limit] if limit is not None else data
+
+
+def _decode(path: Path, raw: bytes, line_number: int | None = None) -> str:
+    """Decodes the UTF-8 bytes of `path` (the whole file, or its line `line_number`), naming where a bad byte is."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if line_number is None:
+            line_number = raw.count(b"\n", 0, err.start) + 1
+            column = err.start - raw.rfind(b"\n", 0, err.start)
+        else:
+            column = err.start + 1
+        raise ValueError(
+            f"{path}: line {line_number}, byte {column} of the line is not valid UTF-8 ({raw[err.start]:#04x}: "
+            f"{err.reason}); HotpotQA files must be UTF-8, so re-encode this one (e.g. with `iconv -t UTF-8`)."
+        ) from None
 
 
 def _read_hub(source: str, split: str, name: str, limit: int | None) -> list[dict[str, Any]]:

@@ -73,6 +73,9 @@ class BM25Retriever:
         doc_ids = self._tokenizer.tokenize(documents, update_vocab=True, return_as="ids", show_progress=False)
         self._bm25 = bm25s.BM25(k1=k1, b=b, method=method)
         self._bm25.index((doc_ids, self._tokenizer.get_vocab_dict()), show_progress=False)
+        # bm25s encodes a text without indexable words (empty, punctuation, stopwords only) as one "empty" token. It
+        # must not match anything: otherwise a query with no known word would return every passage without words.
+        self._empty_token_id = self._tokenizer.get_vocab_dict().get("")
 
     def __len__(self) -> int:
         return len(self.corpus)
@@ -111,10 +114,11 @@ class BM25Retriever:
                 raise TypeError(f"Query {i} must be a string, got {type(query).__name__}.")
         if not queries:
             return []
-        # Unknown words are dropped; a query left without words maps to bm25s' empty token, which scores 0 everywhere.
+        # Unknown words are dropped; a query left without words maps to bm25s' empty token, dropped here too.
         query_ids = self._tokenizer.tokenize(queries, update_vocab=False, return_as="ids", show_progress=False)
         results = []
         for ids in query_ids:
+            ids = [i for i in ids if i != self._empty_token_id]
             scores = self._bm25.get_scores(ids) if ids else None  # (num_passages,)
             results.append([{**self.corpus[i], "score": float(scores[i])} for i in _top_k(scores, top_k)])
         return results
