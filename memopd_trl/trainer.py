@@ -331,7 +331,11 @@ class MemOPDTrainer(_BaseTrainer):
         timings["rollout"] = time.perf_counter() - start
         invocations = [inv for ep in episodes for inv in ep.invocations]
         if not invocations:
-            raise RuntimeError("The rollout produced no model call; check `max_turns` and the environment.")
+            # Every episode failed before its first model call (e.g. prompts that cannot fit): nothing to learn from.
+            warnings.warn(
+                f"No episode of this batch reached a model call ({rollout_stats}); the update is skipped.", stacklevel=2
+            )
+            return {"empty": True}
 
         # 2. pack: every invocation rebuilt as its own sequence, whole invocations packed into rows
         student_batch = _to_device(self.collator(invocations), device)
@@ -414,6 +418,11 @@ class MemOPDTrainer(_BaseTrainer):
             raise ValueError("MemOPDTrainer does not return model outputs from `compute_loss`.")
         start = time.perf_counter()
         unwrapped = self.accelerator.unwrap_model(model)
+        if inputs.get("empty"):
+            self.num_skipped_updates += 1
+            self._skip_update = True
+            self._metrics["train"]["skipped_updates"].append(float(self.num_skipped_updates))
+            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
         # Route the student forward through the wrapper (DDP/FSDP) so gradient synchronization hooks fire.
         loss = self._forward_redirection(model, unwrapped, self._student_loss, unwrapped, inputs)
         self._metrics["train"]["time/actor"].append(time.perf_counter() - start)

@@ -242,17 +242,28 @@ def test_default_config_works_on_cpu(tmp_path):
     assert config.teacher_scoring == "aligned" and config.distill_coef > 0 and config.ppo_coef > 0
 
 
-def test_every_packed_forward_disables_cache_and_mask(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+def test_every_packed_forward_disables_cache_and_mask(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, monkeypatch
+):
     # With use_cache=True or an attention mask, transformers silently lets packed invocations attend to each other.
+    import memopd_trl.trainer as trainer_module
+
     student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
-    seen = []
+    seen, scoring = [], []
+    score = trainer_module.action_hidden_states
+
+    def scored(model, batch):  # every teacher/student scoring forward of the trainer goes through here
+        scoring.append(True)
+        try:
+            return score(model, batch)
+        finally:
+            scoring.pop()
 
     def spy(module, args, kwargs):
-        position_ids = kwargs.get("position_ids")
-        scoring = kwargs.get("past_key_values") is None  # generation runs with a KV cache; scoring must not
-        if scoring and position_ids is not None and bool((position_ids.diff(dim=-1) != 1).any()):
-            seen.append((kwargs.get("use_cache"), kwargs.get("attention_mask")))
+        if scoring:
+            seen.append((kwargs.get("use_cache"), kwargs.get("attention_mask"), kwargs.get("position_ids")))
 
+    monkeypatch.setattr(trainer_module, "action_hidden_states", scored)
     hooks = [m.get_decoder().register_forward_pre_hook(spy, with_kwargs=True) for m in (student, teacher)]
     trainer = MemOPDTrainer(
         model=student,
@@ -266,7 +277,8 @@ def test_every_packed_forward_disables_cache_and_mask(tmp_path, world, env_facto
     for hook in hooks:
         hook.remove()
     assert len(seen) >= 2, "expected packed forwards of the teacher and the student"
-    assert all(use_cache is False and mask is None for use_cache, mask in seen), seen
+    assert all(use_cache is False and mask is None for use_cache, mask, _ in seen), seen
+    assert any(bool((pos.diff(dim=-1) != 1).any()) for _, _, pos in seen), "no row held several invocations"
 
 
 def test_save_reload_gives_same_outputs_and_writes_model_card(

@@ -99,3 +99,23 @@ def test_gae_trains_a_value_head_and_saves_it_as_safetensors(tmp_path, world, ma
     saved = load_file(str(tmp_path / "saved" / VALUE_HEAD_FILE))
     for key, value in trainer.value_head.state_dict().items():
         torch.testing.assert_close(saved[key], value)
+
+
+def test_a_batch_where_no_episode_reaches_the_model_skips_the_update(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    student = make_tiny_model(seed=0)
+    before = params_of(student)
+    overlong = [dict(r, question=r["question"] + " and more" * 400) for r in world.records]
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path, max_steps=1, max_prompt_length=64),
+        train_dataset=overlong,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    with pytest.warns(UserWarning, match="No episode of this batch reached a model call"):
+        trainer.train()
+    assert trainer.num_skipped_updates == 1 and trainer.state.global_step == 1
+    assert not changed(before, student)
