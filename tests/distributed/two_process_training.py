@@ -1,0 +1,88 @@
+"""Two training steps of MemOPDTrainer across processes; run with
+
+    accelerate launch --num_processes 2 --cpu tests/distributed/two_process_training.py
+
+Checks, on every process: the student changed, the teacher did not, the processes played different questions, and
+after the steps every process holds the same student weights (the gradient all-reduce went through the trainer's
+forward redirection). Exits non-zero on any failure. `tests/test_distributed.py` runs it.
+"""
+
+import os
+import sys
+import tempfile
+import warnings
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import torch  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+
+from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
+from memopd_trl.envs.synthetic import make_synthetic_world  # noqa: E402
+from memopd_trl.modeling import build_tiny_model  # noqa: E402
+from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
+
+
+def main() -> int:
+    state = PartialState()
+    world = make_synthetic_world(16, seed=0)
+    tokenizer = build_tokenizer(world.texts(), vocab_size=512)
+
+    def model(seed: int, hidden: int):
+        return build_tiny_model(
+            len(tokenizer), hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, seed=seed,
+        )
+
+    student, teacher = model(0, 32), model(1, 48)
+    student_before = [p.detach().clone() for p in student.parameters()]
+    teacher_before = [p.detach().clone() for p in teacher.parameters()]
+    output_dir = tempfile.mkdtemp(prefix=f"memopd-ddp-{state.process_index}-")
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=MemOPDConfig(
+            output_dir=output_dir, use_cpu=True, report_to="none", max_steps=2, per_device_train_batch_size=2,
+            num_generations=2, max_new_tokens=8, learning_rate=1e-2, save_strategy="no", disable_tqdm=True, seed=0,
+        ),
+        train_dataset=world.records,
+        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2),
+        processing_class=tokenizer,
+    )
+    played = []
+    rollout_and_score = trainer._rollout_and_score
+
+    def record(records):
+        played.extend(r["_id"] for r in records)
+        return rollout_and_score(records)
+
+    trainer._rollout_and_score = record
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+
+    failures = []
+    if trainer.accelerator.num_processes != 2:
+        failures.append(f"expected 2 processes, got {trainer.accelerator.num_processes}")
+    if all(torch.equal(a, b) for a, b in zip(student_before, student.parameters())):
+        failures.append("the student did not change")
+    if not all(torch.equal(a, b) for a, b in zip(teacher_before, teacher.parameters())):
+        failures.append("the teacher changed")
+    flat = torch.cat([p.detach().flatten() for p in student.parameters()])
+    gathered = trainer.accelerator.gather(flat[None])  # (num_processes, num_params)
+    if not torch.allclose(gathered[0], gathered[-1]):
+        failures.append("the processes hold different student weights after the steps")
+    ids = trainer.accelerator.gather_for_metrics([played], use_gather_object=True)
+    if len(ids) == 2 and set(ids[0]) == set(ids[1]):
+        failures.append("both processes played the same questions")
+    for failure in failures:
+        print(f"[rank {state.process_index}] FAIL: {failure}", file=sys.stderr)
+    if not failures:
+        print(f"[rank {state.process_index}] OK: 2 steps on 2 processes, weights in sync, questions {played}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
