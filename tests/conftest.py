@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from memopd_trl.envs.hotpot import HotpotQAEnv
+from memopd_trl.envs.synthetic import make_synthetic_world
 from memopd_trl.modeling import build_tiny_model
 from memopd_trl.tokenizer import build_tokenizer
 
@@ -76,3 +78,19 @@ def hotpot_sample_records() -> list[dict]:
         pytest.skip(f"HotpotQA sample not found at {HOTPOT_SAMPLE} (it lives in shared/data beside the repository).")
     with HOTPOT_SAMPLE.open() as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def world():
+    """A small synthetic HotpotQA-format world (8 questions, seed 0) for trainer tests."""
+    return make_synthetic_world(8, seed=0)
+
+
+@pytest.fixture(scope="session")
+def env_factory(world):
+    """
+    HotpotQAEnv factory over `world`. Random tiny models write malformed actions: two of them end an episode, so each
+    episode has two invocations and the second one's context holds a rewritten turn (what makes persistent scoring
+    differ from aligned scoring).
+    """
+    return HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2, system_prompt="Act.")

@@ -7,21 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
+from memopd_trl import MemOPDConfig, MemOPDTrainer
 from memopd_trl.envs.base import MemoryAgentEnv, StepResult
-from memopd_trl.envs.synthetic import make_synthetic_world
-
-
-@pytest.fixture(scope="module")
-def world():
-    return make_synthetic_world(8, seed=0)
-
-
-@pytest.fixture(scope="module")
-def env_factory(world):
-    # Random tiny models write malformed actions: two of them end an episode, so each episode has two invocations
-    # and the second one's context holds a rewritten turn (what makes persistent scoring differ from aligned).
-    return HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2, system_prompt="Act.")
 
 
 class LengthRewardEnv(MemoryAgentEnv):

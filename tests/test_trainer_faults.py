@@ -4,21 +4,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memopd_trl import HotpotQAEnv, MemOPDTrainer
-from memopd_trl.envs.synthetic import make_synthetic_world
+from memopd_trl import MemOPDTrainer
 from memopd_trl.trainer import VALUE_HEAD_FILE
 
 from test_trainer import LengthRewardEnv, changed, losses_logged, make_config, params_of
-
-
-@pytest.fixture(scope="module")
-def world():
-    return make_synthetic_world(8, seed=0)
-
-
-@pytest.fixture(scope="module")
-def env_factory(world):
-    return HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2, system_prompt="Act.")
 
 
 def test_non_finite_teacher_scores_skip_the_update_and_keep_weights_finite(
