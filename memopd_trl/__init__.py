@@ -24,6 +24,10 @@ _EXPORTS = {
     "PaddedInvocationCollator": "memopd_trl.packing",
     "RolloutEngine": "memopd_trl.rollout",
     "generalized_jsd_loss": "memopd_trl.losses",
+    "chunked_generalized_jsd": "memopd_trl.losses",
+    "build_tokenizer": "memopd_trl.tokenizer",
+    "build_tiny_model": "memopd_trl.modeling",
+    "SyntheticExpert": "memopd_trl.envs.expert",
     "ppo_clip_loss": "memopd_trl.losses",
     "MemOPDConfig": "memopd_trl.config",
     "MemOPDTrainer": "memopd_trl.trainer",
@@ -51,7 +55,10 @@ if TYPE_CHECKING:
     from .envs.hotpot import HotpotQAEnv
     from .envs.retrieval import BM25Retriever
     from .envs.synthetic import make_synthetic_world
-    from .losses import generalized_jsd_loss, ppo_clip_loss
+    from .envs.expert import SyntheticExpert
+    from .losses import chunked_generalized_jsd, generalized_jsd_loss, ppo_clip_loss
+    from .modeling import build_tiny_model
+    from .tokenizer import build_tokenizer
     from .metrics import exact_match, qa_f1
     from .packing import PackedInvocationCollator, PaddedInvocationCollator
     from .records import Episode, Invocation
