@@ -59,11 +59,3 @@ def test_exact_match_is_strict_beyond_normalization():
     assert exact_match("Eiffel Tower", "Eiffel Tower in Paris") == 0.0
     assert exact_match("an apple", "Apple") == 1.0
 
-
-def test_every_public_name_resolves():
-    import memopd_trl
-
-    for name in memopd_trl.__all__:
-        assert getattr(memopd_trl, name) is not None, name
-    with pytest.raises(AttributeError):
-        memopd_trl.NotAThing  # noqa: B018
