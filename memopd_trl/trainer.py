@@ -134,6 +134,9 @@ class MemOPDTrainer(_BaseTrainer):
         optimizers: tuple = (None, None),
         peft_config: "PeftConfig | None" = None,
     ):
+        # Paths may come as `os.PathLike`; the loading code below expects strings.
+        model = os.fspath(model) if isinstance(model, os.PathLike) else model
+        teacher_model = os.fspath(teacher_model) if isinstance(teacher_model, os.PathLike) else teacher_model
         model_id = model if isinstance(model, str) else model.config._name_or_path
         if args is None:
             args = MemOPDConfig(output_dir=f"{Path(model_id).name or 'model'}-MemOPD")
