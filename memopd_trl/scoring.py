@@ -414,10 +414,6 @@ def action_logprobs(
         `torch.FloatTensor` of shape `(N,)` in canonical action order, and, with `return_entropy=True`, the entropy
         as a second `torch.FloatTensor` of shape `(N,)`.
     """
-    if chunk_size < 1:
-        raise ValueError(f"`chunk_size` must be a positive integer, got {chunk_size}.")
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be positive, got {temperature}.")
     hidden = action_hidden_states(model, batch)  # (N, hidden_size)
     targets = action_token_ids(batch).to(hidden.device)  # (N,)
     weight, bias = lm_head_params(model)
