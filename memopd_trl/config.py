@@ -73,8 +73,25 @@ class MemOPDConfig(_BaseConfig):
         top_k (`int`, *optional*, defaults to `0`):
             Top-k sampling of the rollouts (0 disables it).
         use_vllm (`bool`, *optional*, defaults to `False`):
-            Whether to generate with vLLM. Not supported by the trainer yet (a clear error); the rollout engine's
-            vLLM backend serves evaluation of a fixed model (GPU, `pip install memopd-trl[vllm]`).
+            Whether to generate the rollouts (training and evaluation) with vLLM instead of transformers' `generate`.
+            Each process builds its own vLLM engine on its GPU, colocated with training (TRL's `VLLMGeneration`), and
+            pushes the student's current weights into it before every rollout that follows an optimizer step. Needs
+            a CUDA GPU and `pip install memopd-trl[vllm]`; the trainer checks both when it is built. Recorded
+            log-probs follow the trainer's convention only with `top_k=0` and `top_p=1.0` (a warning says so
+            otherwise).
+        vllm_gpu_memory_utilization (`float`, *optional*, defaults to `0.3`):
+            Fraction of each GPU's memory the vLLM engine may take, for its copy of the student's weights and its KV
+            cache. Only used with `use_vllm=True`. The engine shares the GPU with training, which keeps the student
+            with its gradients and optimizer state, the activations of the packed forwards and a full copy of the
+            teacher there, so the default leaves most of the memory to them (TRL's `GRPOConfig` uses the same
+            value). Raise it when the teacher is small or sleep mode is on.
+        vllm_max_model_length (`int`, *optional*):
+            Longest sequence (context plus action) the vLLM engine accepts; it sizes the KV cache of one sequence.
+            Must be at least `max_prompt_length + max_new_tokens`, the longest model call, which is the default.
+        vllm_enable_sleep_mode (`bool`, *optional*, defaults to `False`):
+            Whether the vLLM engine releases its GPU memory (weights and KV cache) between rollouts, for teacher
+            scoring and the optimizer step. Lowers peak memory, but the weights are pushed again before every
+            rollout, evaluation included.
 
         > Parameters that control the loss
 
@@ -204,7 +221,32 @@ class MemOPDConfig(_BaseConfig):
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold of the rollouts."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling of the rollouts (0 disables it)."})
     use_vllm: bool = field(
-        default=False, metadata={"help": "Generate with vLLM (GPU only). Not supported by MemOPDTrainer yet."}
+        default=False,
+        metadata={
+            "help": "Generate the rollouts with a vLLM engine colocated on each GPU, kept in sync with the student's "
+            "weights. Needs a CUDA GPU and `pip install memopd-trl[vllm]`."
+        },
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={
+            "help": "Fraction of each GPU's memory the vLLM engine may take (weights and KV cache). It shares the GPU "
+            "with the student, its optimizer state and a full teacher, so the default leaves most memory to them."
+        },
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest sequence the vLLM engine accepts; at least `max_prompt_length + max_new_tokens`, the "
+            "default."
+        },
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "Release the vLLM engine's GPU memory between rollouts; the weights are then pushed again before "
+            "every rollout."
+        },
     )
 
     # Loss
@@ -292,12 +334,8 @@ class MemOPDConfig(_BaseConfig):
             bad("top_k", ">= 0")
         if self.max_turns is not None and self.max_turns < 1:
             bad("max_turns", ">= 1")
-        if self.use_vllm:
-            raise ValueError(
-                "`use_vllm=True` is not supported by MemOPDTrainer yet: the trainer generates with the student's own "
-                "weights through Hugging Face `generate`, and syncing updated weights into a vLLM engine is not "
-                "implemented. `RolloutEngine(backend='vllm', vllm_llm=...)` can evaluate a fixed model with vLLM."
-            )
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            bad("vllm_gpu_memory_utilization", "in (0, 1]")
         for name in (
             "max_new_tokens",
             "max_prompt_length",
@@ -308,6 +346,12 @@ class MemOPDConfig(_BaseConfig):
         ):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
+        longest_call = self.max_prompt_length + self.max_new_tokens
+        if self.vllm_max_model_length is not None and self.vllm_max_model_length < longest_call:
+            bad(
+                "vllm_max_model_length",
+                f"None or >= max_prompt_length + max_new_tokens = {longest_call} (the longest model call)",
+            )
         if not 0.0 <= self.gamma <= 1.0:
             bad("gamma", "in [0, 1]")
         if not 0.0 <= self.lam <= 1.0:

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_callback import TrainerCallback
 from transformers.utils import is_peft_available
+from trl.import_utils import is_vllm_available
 from trl.models.utils import _ForwardRedirection, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import RepeatSampler, disable_dropout_in_model
@@ -44,7 +45,7 @@ from .losses import (
     value_loss,
 )
 from .packing import PackedInvocationCollator
-from .records import Episode, Invocation
+from .records import Episode
 from .rollout import RolloutEngine
 from .scoring import action_hidden_states, action_logprobs_from_hidden, action_token_ids, lm_head_params
 
@@ -78,7 +79,9 @@ class MemOPDTrainer(_BaseTrainer):
 
     Args:
         model (`str` or `PreTrainedModel`):
-            The student: a model id/path (loaded with `args.model_init_kwargs`) or a loaded causal LM.
+            The student: a model id/path (loaded with `args.model_init_kwargs`) or a loaded causal LM. With
+            `args.use_vllm`, the vLLM engine loads its own copy from the student's `name_or_path` and then receives
+            the student's weights, so that path must be readable by vLLM.
         teacher_model (`str` or `PreTrainedModel`, *optional*):
             The teacher; defaults to `args.teacher_model_name_or_path`. Not needed when `args.distill_coef == 0`.
             It must share the student's tokenizer: full-vocabulary supervision compares distributions id by id.
@@ -140,6 +143,8 @@ class MemOPDTrainer(_BaseTrainer):
         model_id = model if isinstance(model, str) else model.config._name_or_path
         if args is None:
             args = MemOPDConfig(output_dir=f"{Path(model_id).name or 'model'}-MemOPD")
+        if args.use_vllm:
+            _check_vllm_support(args)
         if env_factory is None or not callable(env_factory):
             raise ValueError(
                 "`env_factory` is required: a zero-argument callable making one environment per episode, e.g. "
@@ -244,6 +249,29 @@ class MemOPDTrainer(_BaseTrainer):
             ),
             history=args.teacher_scoring,
         )
+        # With vLLM, TRL's `VLLMGeneration` owns the engine (built from the student's checkpoint, colocated on this
+        # process's GPU) and its weight sync; the rollout engine generates with its `vllm.LLM`.
+        self.vllm_generation = None
+        self._vllm_synced_step: int | None = None  # `global_step` of the weights in the vLLM engine (None: unknown)
+        if args.use_vllm:
+            # Imported here, not at the top: with vLLM installed this module imports it, and a vLLM version TRL does
+            # not support must not break `import memopd_trl` for runs that do not use vLLM.
+            from trl.generation.vllm_generation import VLLMGeneration
+
+            self.vllm_generation = VLLMGeneration(
+                model=self.model,
+                accelerator=self.accelerator,
+                processing_class=processing_class,
+                mode="colocate",
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                max_model_length=args.vllm_max_model_length or args.max_prompt_length + args.max_new_tokens,
+                enable_sleep_mode=args.vllm_enable_sleep_mode,
+                trust_remote_code=args.trust_remote_code,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                max_completion_length=args.max_new_tokens,
+            )
         self.rollout_engine = RolloutEngine(
             model=self.accelerator.unwrap_model(self.model),
             tokenizer=processing_class,
@@ -253,7 +281,8 @@ class MemOPDTrainer(_BaseTrainer):
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
-            backend="hf",
+            backend="vllm" if args.use_vllm else "hf",
+            vllm_llm=self.vllm_generation.llm if args.use_vllm else None,
         )
 
     # ------------------------------------------------------------------------------------------------------------
@@ -406,15 +435,52 @@ class MemOPDTrainer(_BaseTrainer):
         return _DisabledAdapters(student)
 
     def _play(self, records: list[dict[str, Any]], greedy: bool) -> tuple[list[Episode], dict[str, float]]:
+        """
+        Play `records` with the current student: `num_generations` sampled episodes each, or one greedy episode.
+
+        Every process must call it at the same point, even with no records: gathering the student's weights for
+        generation (DeepSpeed ZeRO-3, vLLM weight sync) is collective.
+
+        Returns:
+            `tuple[list[Episode], dict[str, float]]`: the episodes and the rollout statistics of
+            `RolloutEngine.rollout`.
+        """
+        num_generations = 1 if greedy else self.args.num_generations
+        if self.vllm_generation is not None:
+            return self._play_with_vllm(records, num_generations, greedy)
         with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
             was_training = unwrapped.training
             unwrapped.eval()
             self.rollout_engine.model = unwrapped
             try:
-                num_generations = 1 if greedy else self.args.num_generations
                 return self.rollout_engine.rollout(records, num_generations=num_generations, greedy=greedy)
             finally:
                 unwrapped.train(was_training)
+
+    def _play_with_vllm(
+        self, records: list[dict[str, Any]], num_generations: int, greedy: bool
+    ) -> tuple[list[Episode], dict[str, float]]:
+        """
+        `_play` through the vLLM engine, after pushing the student's weights into it if they changed since the last
+        push (or were never pushed: the engine starts from the checkpoint on disk, not the in-memory student).
+
+        Returns:
+            `tuple[list[Episode], dict[str, float]]`: as `_play`.
+        """
+        generation = self.vllm_generation
+        if self._vllm_synced_step != self.state.global_step:
+            generation.sync_weights()  # collective: every process calls it (merges PEFT adapters, gathers shards)
+            self._vllm_synced_step = self.state.global_step
+        if not self.args.vllm_enable_sleep_mode:
+            return self.rollout_engine.rollout(records, num_generations=num_generations, greedy=greedy)
+        # `sync_weights` woke the weights; the KV cache is only needed while the rollout runs.
+        generation.llm.wake_up(tags=["kv_cache"])
+        try:
+            return self.rollout_engine.rollout(records, num_generations=num_generations, greedy=greedy)
+        finally:
+            # Level 2 discards the weights as well, so the next rollout must push them again.
+            generation.llm.sleep(level=2)
+            self._vllm_synced_step = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
@@ -546,7 +612,7 @@ class MemOPDTrainer(_BaseTrainer):
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         records = [dataset[i] for i in range(rank, len(dataset), world)]
         self.model.eval()
-        episodes, _ = self._play(records, greedy=True) if records else ([], {})
+        episodes, _ = self._play(records, greedy=True)  # on every process, even without records (collectives)
         # Sums and counts (same shape on every process, whatever the number of records each one played).
         local = torch.tensor(
             [[ep.f1, ep.em, ep.reward, ep.num_turns, ep.num_malformed, 1.0] for ep in episodes],
@@ -637,6 +703,21 @@ def _as_dataset(data, name: str) -> "Dataset | RecordDataset":
             raise TypeError(f"`{name}`[{bad}] is a {type(data[bad]).__name__}; every record must be a dict.")
         return RecordDataset(list(data))
     raise TypeError(f"`{name}` must be a `datasets.Dataset` or a list of dict records, got {type(data).__name__}.")
+
+
+def _check_vllm_support(args: MemOPDConfig) -> None:
+    """Fail before any model is loaded when `use_vllm=True` cannot run here (no vLLM, or no CUDA device)."""
+    if not is_vllm_available():
+        raise ImportError(
+            "`use_vllm=True` needs vLLM, which is not installed: `pip install memopd-trl[vllm]` (NVIDIA GPU only), or "
+            "set `use_vllm=False` to generate with transformers."
+        )
+    if args.use_cpu or not torch.cuda.is_available():
+        reason = "`use_cpu=True` is set" if args.use_cpu else "no CUDA device is visible to this process"
+        raise ValueError(
+            f"`use_vllm=True` needs an NVIDIA GPU (CUDA), but {reason}. Set `use_vllm=False` to generate with "
+            "transformers."
+        )
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

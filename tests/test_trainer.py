@@ -2,11 +2,15 @@
 
 import copy
 import os
+import sys
+import types
 
 import pytest
 import torch
+import trl.generation.vllm_generation
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+import memopd_trl.trainer as trainer_module
 from memopd_trl import MemOPDConfig, MemOPDTrainer
 from memopd_trl.envs.base import MemoryAgentEnv, StepResult
 
@@ -387,6 +391,169 @@ def test_config_overrides_the_env_factory_settings(tmp_path, world, env_factory,
     assert env.retriever is env_factory.retriever, "the retriever must be shared, not rebuilt"
 
 
-def test_use_vllm_is_a_clear_error_until_weight_sync_exists(tmp_path):
-    with pytest.raises(ValueError, match="use_vllm"):
-        make_config(tmp_path, use_vllm=True)
+# ----- use_vllm: TRL's VLLMGeneration (engine and weight sync) and a vLLM engine, both faked ------------------------
+class FakeVLLMEngine:
+    """
+    Stands in for a colocated `vllm.LLM`: its own copy of the model, whose weights change only when pushed. Each
+    prompt is answered with one of `actions` (in turn, so rewards differ within a group) and the log-prob of every
+    action token under the engine's weights, as vLLM's `processed_logprobs` (tempered; untempered when greedy).
+    """
+
+    def __init__(self, model, student, actions: list[list[int]]):
+        self.model = model.eval()
+        self.student = student
+        self.actions = actions
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(logprobs_mode="processed_logprobs"))
+        self.events: list[str] = []
+        self.requests: list[tuple[list[dict], list[dict]]] = []
+        self.in_sync: list[bool] = []  # per generate call: did the engine hold the student's current weights?
+
+    @torch.no_grad()
+    def generate(self, prompts, sampling_params, use_tqdm):
+        self.events.append("generate")
+        self.requests.append((prompts, sampling_params))
+        student = self.student.state_dict()
+        self.in_sync.append(all(torch.equal(p, student[name]) for name, p in self.model.state_dict().items()))
+        outputs = []
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            context, action = prompt["prompt_token_ids"], self.actions[index % len(self.actions)]
+            logits = self.model(torch.tensor([context + action])).logits[0, len(context) - 1 : -1].float()
+            logprobs = torch.log_softmax(logits / (params["temperature"] or 1.0), dim=-1)
+            sampled = logprobs.gather(-1, torch.tensor(action)[:, None]).squeeze(-1).tolist()
+            completion = types.SimpleNamespace(token_ids=action, logprobs=[{t: lp} for t, lp in zip(action, sampled, strict=True)])
+            outputs.append(types.SimpleNamespace(outputs=[completion]))
+        return outputs
+
+    def wake_up(self, tags: list[str]) -> None:
+        self.events.append(f"wake_up {tags}")
+
+    @torch.no_grad()
+    def sleep(self, level: int) -> None:
+        self.events.append(f"sleep {level}")
+        if level == 2:  # level 2 discards the weights
+            for p in self.model.parameters():
+                p.fill_(float("nan"))
+
+
+class FakeVLLMGeneration:
+    """Stands in for TRL's `VLLMGeneration`: keeps its arguments; `sync_weights` copies the student into the engine."""
+
+    def __init__(self, model, accelerator, processing_class, engine_model, actions, **kwargs):
+        self.model = model
+        self.kwargs = kwargs
+        self.llm = FakeVLLMEngine(engine_model, model, actions)
+
+    def sync_weights(self) -> None:
+        self.llm.events.append("sync")
+        self.llm.model.load_state_dict(self.model.state_dict())
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, make_tiny_model, tiny_tokenizer) -> list[FakeVLLMGeneration]:
+    """Makes `use_vllm=True` run on CPU with the fakes above; returns the list of `VLLMGeneration`s the trainer built."""
+    actions = [
+        tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        for text in ("<answer>a</answer>", "<answer>abc</answer>")
+    ]
+    built: list[FakeVLLMGeneration] = []
+
+    def build(**kwargs) -> FakeVLLMGeneration:
+        # vLLM loads the checkpoint from disk, which need not be the in-memory student: start from other weights.
+        built.append(FakeVLLMGeneration(engine_model=make_tiny_model(seed=7), actions=actions, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(trainer_module, "_check_vllm_support", lambda args: None)
+    monkeypatch.setattr(trl.generation.vllm_generation, "VLLMGeneration", build)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kwargs: kwargs))
+    return built
+
+
+def test_use_vllm_without_vllm_installed_names_the_extra(tmp_path, world, env_factory, make_tiny_model, monkeypatch):
+    monkeypatch.setattr(trainer_module, "is_vllm_available", lambda: False)
+    with pytest.raises(ImportError, match=r"pip install memopd-trl\[vllm\]"):
+        MemOPDTrainer(
+            model=make_tiny_model(), args=make_config(tmp_path, use_vllm=True, distill_coef=0.0),
+            train_dataset=world.records, env_factory=env_factory,
+        )
+
+
+def test_use_vllm_without_a_gpu_is_a_clear_error(tmp_path, world, env_factory, make_tiny_model, monkeypatch):
+    monkeypatch.setattr(trainer_module, "is_vllm_available", lambda: True)
+    with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
+        MemOPDTrainer(
+            model=make_tiny_model(), args=make_config(tmp_path, use_vllm=True, distill_coef=0.0),
+            train_dataset=world.records, env_factory=env_factory,
+        )
+
+
+def test_use_vllm_trains_with_rollouts_from_the_synced_engine(
+    tmp_path, world, make_tiny_model, tiny_tokenizer, fake_vllm
+):
+    student = make_tiny_model(seed=0)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path, use_vllm=True, max_steps=3),
+        train_dataset=world.records,
+        eval_dataset=world.records[:2],
+        env_factory=LengthRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    (generation,) = fake_vllm
+    assert generation.model is student
+    assert generation.kwargs == {
+        "mode": "colocate", "gpu_memory_utilization": 0.3, "max_model_length": 512 + 10, "enable_sleep_mode": False,
+        "trust_remote_code": False, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_completion_length": 10,
+    }
+    before = params_of(student)
+    trainer.train()
+    engine = generation.llm
+
+    # One rollout per step, each through the engine, each after a sync: once at the start, once per optimizer step.
+    assert engine.events == ["sync", "generate"] * 3
+    assert [len(prompts) for prompts, _ in engine.requests] == [4, 4, 4]  # 2 questions x 2 generations
+    assert all(params["temperature"] == 1.0 and params["logprobs"] == 0 for _, ps in engine.requests for params in ps)
+    assert engine.in_sync == [True, True, True]
+    # The recorded log-probs are the current student's, so every step's PPO ratios start at exactly 1.
+    assert max(abs(kl) for kl in losses_logged(trainer, "approx_kl_old")) < 1e-6
+    assert losses_logged(trainer, "clip_fraction") == [0.0, 0.0, 0.0]
+    assert len(losses_logged(trainer, "loss/distill")) == 3 and len(losses_logged(trainer, "loss/ppo")) == 3
+    assert len(losses_logged(trainer, "reward")) == 3 and losses_logged(trainer, "reward_std")[0] > 0
+    assert changed(before, student)
+
+    # Evaluation after the last step pushes the final weights once; a second one has nothing new to push.
+    trainer.evaluate()
+    trainer.evaluate()
+    assert engine.events[6:] == ["sync", "generate", "generate"]
+    assert engine.in_sync[3:] == [True, True]
+    assert all(params["temperature"] == 0.0 for _, ps in engine.requests[3:] for params in ps)
+
+
+def test_use_vllm_sleep_mode_wakes_and_resyncs_around_every_rollout(
+    tmp_path, world, make_tiny_model, tiny_tokenizer, fake_vllm
+):
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        args=make_config(tmp_path, use_vllm=True, vllm_enable_sleep_mode=True, distill_coef=0.0),
+        train_dataset=world.records,
+        eval_dataset=world.records[:2],
+        env_factory=LengthRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    trainer.evaluate()
+    trainer.evaluate()
+    engine = fake_vllm[0].llm
+    # Sleep level 2 discards the weights, so they are pushed again before every rollout, evaluation included.
+    assert engine.events == ["sync", "wake_up ['kv_cache']", "generate", "sleep 2"] * 3
+    assert engine.in_sync == [True, True, True]
+
+
+def test_use_vllm_config_builds_without_vllm_and_checks_its_fields(tmp_path):
+    config = make_config(tmp_path, use_vllm=True)  # a config can be built anywhere and shipped to a GPU machine
+    assert config.vllm_gpu_memory_utilization == 0.3 and config.vllm_max_model_length is None
+    assert not config.vllm_enable_sleep_mode
+    with pytest.raises(ValueError, match="`vllm_gpu_memory_utilization` must be in"):
+        make_config(tmp_path, vllm_gpu_memory_utilization=0.0)
+    with pytest.raises(ValueError, match="`vllm_max_model_length` must be None or >= .* = 522"):
+        make_config(tmp_path, vllm_max_model_length=256)
