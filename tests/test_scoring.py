@@ -5,7 +5,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import AttentionInterface
+from transformers.integrations.flex_attention import WrappedFlexAttention
 
 from memopd_trl import scoring
 from memopd_trl.modeling import build_tiny_model
@@ -357,8 +359,18 @@ def test_flex_attention_with_gradients_on_cpu_raises_a_clear_error(packed):
 
 
 @pytest.mark.slow
-def test_flex_attention_scores_packed_rows_without_gradients_on_cpu(invocations, packed):
+def test_flex_attention_scores_packed_rows_without_gradients_on_cpu(invocations, packed, monkeypatch):
     model = tiny_model("llama", "flex_attention")
+    # A positions-continuous copy of the same rows: no restart to detect, so every invocation attends to the ones
+    # before it in its row. This is the failure the test guards against; it must sit far outside the tolerance.
+    leaky = dict(packed, position_ids=torch.arange(packed["position_ids"].shape[1]).expand_as(packed["position_ids"]))
+    # The mask is what is under test, so flex runs its reference math (dynamo's `aot_eager` backend) instead of
+    # inductor's compiled CPU kernel, which is not bit-stable across CPUs (up to ~2e-2 nats apart were seen).
+    reference_flex = torch.compile(flex_attention, backend="aot_eager", fullgraph=True)
+    monkeypatch.setattr(WrappedFlexAttention, "__call__", lambda self: reference_flex)
     with torch.no_grad():
+        reference = _alone(model, invocations)[0]
         logprobs = action_logprobs(model, packed)
-    torch.testing.assert_close(logprobs, _alone(model, invocations)[0], atol=ATOL, rtol=0)
+        leaky_logprobs = action_logprobs(model, leaky)
+    assert (leaky_logprobs - reference).abs().max() > 1e3 * ATOL
+    torch.testing.assert_close(logprobs, reference, atol=ATOL, rtol=0)
