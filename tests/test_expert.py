@@ -1,9 +1,16 @@
+import random
 import statistics
 
 import pytest
 
 from memopd_trl.envs.base import ActionFormat, parse_action
-from memopd_trl.envs.expert import NO_FACTS_MEMORY, SyntheticExpert, expert_trajectories, play_episode
+from memopd_trl.envs.expert import (
+    NO_FACTS_MEMORY,
+    SyntheticExpert,
+    expert_trajectories,
+    make_mistake,
+    play_episode,
+)
 from memopd_trl.envs.hotpot import HotpotQAEnv
 from memopd_trl.envs.retrieval import BM25Retriever
 from memopd_trl.envs.synthetic import make_synthetic_world, parse_question
@@ -136,3 +143,42 @@ def test_expert_rejects_tasks_outside_the_synthetic_world():
         SyntheticExpert()([{"role": "user", "content": "Question: Who wrote Hamlet?"}])
     with pytest.raises(ValueError, match="retries"):
         SyntheticExpert(retries=5)
+
+
+def test_mistakes_keep_the_expert_label_and_reach_states_clean_play_never_visits(world, retriever):
+    factory = HotpotQAEnv.factory(retriever=retriever, top_k=1, max_turns=5)
+    records = world.records[:120]
+    clean = expert_trajectories(records, factory)
+    noisy = expert_trajectories(records, factory, mistake_prob=0.4, seed=3)
+
+    def missed_search_states(episodes):
+        return sum("No results found" in messages[-1]["content"] for e in episodes for messages, _ in e.steps)
+
+    assert missed_search_states(clean) == 0
+    assert missed_search_states(noisy) > 10
+    assert sum(len(e.steps) for e in noisy) > sum(len(e.steps) for e in clean)  # recoveries cost turns
+    expert = SyntheticExpert()
+    for episode in noisy:
+        for messages, action in episode.steps:  # every recorded action is the expert's own, in the state reached
+            assert action == expert(messages)
+    # Same seed, same mistakes.
+    again = expert_trajectories(records, factory, mistake_prob=0.4, seed=3)
+    assert [e.queries for e in again] == [e.queries for e in noisy]
+
+
+def test_make_mistake_changes_searches_only_and_stays_well_formed():
+    fmt, rng = ActionFormat(), random.Random(0)
+    answer = fmt.render_action("Kalo Venu is a 1990 film directed by Sara Pepadi.", "answer", "Pami")
+    assert make_mistake(answer, fmt, rng) == answer
+    search = fmt.render_action(
+        "Kalo Venu is a 1990 film directed by Sara Pepadi. Sara Pepadi is a poet born in Pami.", "search", "Dorren Taval"
+    )
+    for _ in range(50):
+        slipped = make_mistake(search, fmt, rng)
+        parsed = parse_action(slipped, fmt)
+        assert parsed.kind == "search" and slipped != search
+
+
+def test_mistake_prob_out_of_range_is_a_clear_error(world, retriever):
+    with pytest.raises(ValueError, match="mistake_prob"):
+        expert_trajectories(world.records[:2], HotpotQAEnv.factory(retriever=retriever), mistake_prob=1.5)

@@ -10,6 +10,7 @@ sentences it has found, copied verbatim, and acts:
 - comparison question: search the first entity, keep its fact, search the second, keep its fact, compare, answer.
 """
 
+import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,22 +189,34 @@ class ExpertEpisode:
 
 
 def play_episode(
-    env: MemoryAgentEnv, record: dict[str, Any], policy: Callable[[list[dict[str, str]]], str]
+    env: MemoryAgentEnv,
+    record: dict[str, Any],
+    policy: Callable[[list[dict[str, str]]], str],
+    explore: Callable[[str], str] | None = None,
 ) -> ExpertEpisode:
     """
     Play one episode of `policy` (a function from chat messages to action text) in `env`.
 
+    Args:
+        env (`MemoryAgentEnv`): the environment (reset here).
+        record (`dict`): the question.
+        policy (`Callable[[list[dict]], str]`): the labeler: its action in each state is what `steps` records.
+        explore (`Callable[[str], str]`, *optional*):
+            Maps the policy's action to the action actually played (e.g. [`make_mistake`]); the next state follows
+            the played action while the step still records the policy's. `None` plays the policy's actions.
+
     Returns:
-        `ExpertEpisode`: the turns, the queries and the scores.
+        `ExpertEpisode`: the turns (messages and the policy's action), the queries played and the scores.
     """
     messages = env.reset(record)
     steps, queries = [], []
     while not env.done:
         action = policy(messages)
         steps.append((messages, action))
-        result = env.step(action)
+        played = explore(action) if explore is not None else action
+        result = env.step(played)
         if result.info.get("kind") == "search":
-            queries.append(parse_action(action, env.action_format).argument)
+            queries.append(parse_action(played, env.action_format).argument)
         if not result.done:
             messages = env.messages()
     info = {
@@ -214,12 +227,44 @@ def play_episode(
     return ExpertEpisode(record.get("_id", ""), steps, env.f1, env.em, env.reward, queries, info)
 
 
+def make_mistake(action: str, action_format: ActionFormat, rng: random.Random) -> str:
+    """
+    A slip of a weak agent, made on a search action, that leads somewhere clean play never goes:
+
+    - a garbled query (two names run together, a syllable lost), which usually finds nothing;
+    - a search for the entity already found (its memory's first name), which brings back a known passage;
+    - a memory that lost its last fact, which has to be searched again.
+
+    Answers are returned unchanged (a wrong answer ends the episode: there is nothing to recover from).
+
+    Returns:
+        `str`: the action with one mistake, still well formed.
+    """
+    parsed = parse_action(action, action_format)
+    if parsed.kind != "search":
+        return action
+    memory, query = parsed.memory or "", parsed.argument
+    facts = [sentence for sentence in memory.split(". ") if sentence]
+    choice = rng.random()
+    if choice < 0.25 and len(facts) > 1:
+        memory = ". ".join(facts[:-1]).rstrip(".") + "."
+    elif choice < 0.5 and memory.split(":")[0] != NO_FACTS_MEMORY and facts:
+        query = " ".join(facts[0].split()[:2])
+    else:
+        words = query.split()
+        cut = rng.randrange(1, max(2, len(words[-1])))
+        query = words[0][: max(2, len(words[0]) // 2)] + words[-1][cut:]
+    return action_format.render_action(memory, "search", query)
+
+
 def expert_trajectories(
     world: SyntheticWorld | Iterable[dict[str, Any]],
     env_factory: Callable[[], MemoryAgentEnv],
     expert: SyntheticExpert | None = None,
     limit: int | None = None,
     min_f1: float | None = None,
+    mistake_prob: float = 0.0,
+    seed: int = 0,
 ) -> list[ExpertEpisode]:
     """
     Play the scripted expert on the world's questions: the traces a teacher is fine-tuned on.
@@ -235,6 +280,12 @@ def expert_trajectories(
             Play only the first `limit` questions.
         min_f1 (`float`, *optional*):
             Keep only episodes whose answer F1 is at least this (e.g. `1.0` for clean SFT data); all by default.
+        mistake_prob (`float`, *optional*, defaults to `0.0`):
+            Probability that a search turn is played with a mistake ([`make_mistake`]) while the step records the
+            expert's own action: the traces then also show how to recover from states a weak agent reaches (missed
+            searches, a fact lost from memory), which clean expert play never visits. A teacher trained only on clean
+            play is confidently wrong in those states, and on-policy distillation asks it about exactly them.
+        seed (`int`, *optional*, defaults to `0`): seed of the mistakes.
 
     Returns:
         `list[ExpertEpisode]`: one per question played (and kept), in order.
@@ -244,9 +295,17 @@ def expert_trajectories(
         records = records[:limit]
     env = env_factory()
     expert = expert or SyntheticExpert(env.action_format)
+    if not 0.0 <= mistake_prob <= 1.0:
+        raise ValueError(f"`mistake_prob` must be in [0, 1], got {mistake_prob}.")
+    rng = random.Random(seed)
+    explore = None
+    if mistake_prob > 0:
+        def explore(action: str) -> str:
+            return make_mistake(action, env.action_format, rng) if rng.random() < mistake_prob else action
+
     episodes = []
     for record in records:
-        episode = play_episode(env, record, expert)
+        episode = play_episode(env, record, expert, explore=explore)
         if min_f1 is None or episode.f1 >= min_f1:
             episodes.append(episode)
     return episodes
