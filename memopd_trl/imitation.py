@@ -4,6 +4,13 @@ Used to build the offline default: a teacher is fine-tuned on a scripted expert'
 student is warm-started briefly so that it knows the action format. Each expert turn becomes an `Invocation` (the
 rendered context as `input_ids`, the expert's action as `output_ids`), so training runs on the same packed,
 padding-free rows and the same action-only scoring as MemOPD itself.
+
+A memory agent mostly copies: entity names from the question into a query, fact sentences from an observation into
+its memory, the answer from its memory. A transformer trained from scratch on such data sits for a long time on a
+plateau where it predicts the template words and guesses the names (~2 nats per action token), because copying needs
+an induction circuit (attend to the earlier occurrence of the current token, emit what followed it) that task data
+rewards only once it half works. [`copy_task_invocations`] is a warm-up that rewards nothing else: a few hundred steps
+on random token strings to repeat, before imitation, take a tiny model off that plateau (see `docs/results.md`).
 """
 
 import math
@@ -45,6 +52,47 @@ def expert_invocations(
     return invocations
 
 
+def copy_task_invocations(
+    num_sequences: int,
+    token_ids: Sequence[int],
+    separator_id: int,
+    min_length: int = 8,
+    max_length: int = 24,
+    seed: int = 0,
+) -> list[Invocation]:
+    """
+    Random strings to repeat: the induction warm-up of a model trained from scratch (see the module docstring).
+
+    Each invocation's `input_ids` is a string of `min_length` to `max_length` tokens drawn uniformly from `token_ids`,
+    followed by `separator_id`; its `output_ids` is the same string. Lengths vary so that copying by a fixed offset
+    does not work: the model has to find, by content, where the current token occurred before.
+
+    Args:
+        num_sequences (`int`): number of invocations.
+        token_ids (`Sequence[int]`): the ids to draw from (e.g. every non-special id of the tokenizer).
+        separator_id (`int`): id placed between a string and its copy (e.g. the EOS id).
+        min_length (`int`, *optional*, defaults to `8`): shortest string.
+        max_length (`int`, *optional*, defaults to `24`): longest string.
+        seed (`int`, *optional*, defaults to `0`): same seed, same strings.
+
+    Returns:
+        `list[Invocation]`: `num_sequences` invocations, for [`imitation_train`].
+    """
+    if num_sequences < 1:
+        raise ValueError(f"`num_sequences` must be >= 1, got {num_sequences}.")
+    if not 1 <= min_length <= max_length:
+        raise ValueError(f"Need 1 <= `min_length` <= `max_length`, got {min_length} and {max_length}.")
+    token_ids = list(token_ids)
+    if len(token_ids) < 2:
+        raise ValueError(f"`token_ids` must hold at least 2 ids to draw random strings from, got {len(token_ids)}.")
+    rng = random.Random(seed)
+    invocations = []
+    for index in range(num_sequences):
+        string = [rng.choice(token_ids) for _ in range(rng.randint(min_length, max_length))]
+        invocations.append(Invocation(input_ids=string + [separator_id], output_ids=string, episode_id=index))
+    return invocations
+
+
 def _batches(invocations: list[Invocation], tokens_per_batch: int, rng: random.Random) -> list[list[Invocation]]:
     order = list(range(len(invocations)))
     rng.shuffle(order)
@@ -77,10 +125,11 @@ def imitation_train(
     context_weight: float = 0.0,
 ) -> list[float]:
     """
-    Maximum-likelihood training of `model` on the action tokens of `invocations` (context tokens are not trained).
+    Maximum-likelihood training of `model` on the action tokens of `invocations`, and optionally on their contexts.
 
     Batches of about `tokens_per_batch` real tokens are packed into rows of `max_tokens_per_row` (no padding), and the
-    negative log-likelihood of the action tokens is minimized with AdamW under a linear warm-up and cosine decay.
+    mean negative log-likelihood of the action tokens (plus `context_weight` times that of the context tokens) is
+    minimized with AdamW under a linear warm-up and cosine decay, gradient norm clipped at 1.
 
     Args:
         model (`PreTrainedModel`): the causal LM to train, in place.
@@ -95,14 +144,19 @@ def imitation_train(
         seed (`int`, *optional*, defaults to `0`): seed of the data order.
         progress (`bool`, *optional*, defaults to `True`): show a progress bar.
         description (`str`, *optional*, defaults to `"imitation"`): label of the progress bar.
+        context_weight (`float`, *optional*, defaults to `0.0`):
+            Weight of the next-token NLL of the context tokens (every token of an invocation's `input_ids` but its
+            first). 0 trains the actions only; a small weight (0.5) speeds up learning to read observations.
 
     Returns:
-        `list[float]`: the mean action-token NLL of every optimizer step.
+        `list[float]`: the mean action-token NLL of every optimizer step (without the context term).
     """
     if not invocations:
         raise ValueError("`invocations` is empty: nothing to imitate.")
     if epochs <= 0:
         raise ValueError(f"`epochs` must be > 0, got {epochs}.")
+    if context_weight < 0:
+        raise ValueError(f"`context_weight` must be >= 0, got {context_weight}.")
     rng = random.Random(seed)
     collator = PackedInvocationCollator(max_tokens_per_row=max_tokens_per_row, pad_token_id=pad_token_id)
     steps_per_epoch = len(_batches(invocations, tokens_per_batch, random.Random(seed)))
@@ -124,7 +178,9 @@ def imitation_train(
         for batch_invocations in _batches(invocations, tokens_per_batch, rng):
             if len(losses) >= total_steps:
                 break
-            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collator(batch_invocations).items()}
+            batch = {
+                k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collator(batch_invocations).items()
+            }
             if context_weight > 0:
                 action_nll, context_nll = _action_and_context_nll(model, batch)
                 loss = action_nll + context_weight * context_nll
@@ -144,18 +200,24 @@ def imitation_train(
 
 
 def _action_and_context_nll(model: PreTrainedModel, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean next-token NLL over action tokens and over context tokens (after a sequence's first), from one forward."""
+    """
+    Mean next-token NLL over the action tokens (canonical order) and over the context tokens, from one forward.
+
+    Context targets are the tokens of an invocation's `input_ids` after its first (the first has no predecessor in its
+    sequence); row padding, which `invocation_index` marks -1, is never a target.
+    """
     hidden = packed_hidden_states(model, batch)  # (rows, width, hidden_size)
     weight, bias = lm_head_params(model)
-    # Column c - 1 predicts column c, as in `scoring.action_hidden_states`.
+    # Column c - 1 predicts column c (the same shift as `scoring.action_hidden_states`).
+    predictors = hidden[:, :-1]  # (rows, width - 1, hidden_size)
     targets = batch["input_ids"][:, 1:]  # (rows, width - 1)
-    invocation = batch["invocation_index"]
-    same_sequence = (batch["position_ids"][:, 1:] > 0) & (invocation[:, 1:] >= 0)  # (rows, width - 1)
-    is_action = batch["action_target_index"][:, 1:] >= 0
-    action_hidden = gather_actions(hidden[:, :-1], batch["action_target_index"][:, 1:])  # (N, hidden_size)
+    target_action_index = batch["action_target_index"][:, 1:]  # (rows, width - 1)
+    in_sequence = (batch["position_ids"][:, 1:] > 0) & (batch["invocation_index"][:, 1:] >= 0)  # (rows, width - 1)
+    is_context = in_sequence & (target_action_index < 0)  # (rows, width - 1)
+    action_hidden = gather_actions(predictors, target_action_index)  # (N, hidden_size)
     action_targets = gather_actions(batch["input_ids"], batch["action_target_index"])  # (N,)
-    context = same_sequence & ~is_action
-    logits = torch.nn.functional.linear(torch.cat([action_hidden, hidden[:, :-1][context]]), weight, bias).float()
-    nll = torch.nn.functional.cross_entropy(logits, torch.cat([action_targets, targets[context]]), reduction="none")
-    n = action_targets.numel()
-    return nll[:n].mean(), nll[n:].mean()
+    all_hidden = torch.cat([action_hidden, predictors[is_context]])  # (N + C, hidden_size)
+    logits = torch.nn.functional.linear(all_hidden, weight, bias).float()  # (N + C, vocab_size)
+    nll = torch.nn.functional.cross_entropy(logits, torch.cat([action_targets, targets[is_context]]), reduction="none")
+    num_actions = action_targets.numel()
+    return nll[:num_actions].mean(), nll[num_actions:].mean()

@@ -45,9 +45,33 @@ def test_help_lists_script_and_trainer_options():
         assert flag in result.stdout, flag
 
 
-def test_unknown_arm_is_a_clear_error(hotpot, tmp_path):
-    with pytest.raises(ValueError, match="Unknown arm"):
-        hotpot.main(["--preset", "smoke", "--arms", "ppo,magic", "--output_dir", str(tmp_path)])
+def test_unknown_arm_is_a_clear_error(hotpot, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        hotpot.main(["--preset", "smoke", "--arms", "ppo", "magic", "--output_dir", str(tmp_path)])
+    assert "invalid choice: 'magic'" in capsys.readouterr().err
+
+
+def test_dataset_without_models_is_a_clear_error(hotpot, tmp_path):
+    with pytest.raises(ValueError, match="--model_name_or_path"):
+        hotpot.main(["--dataset", str(HOTPOT_SAMPLE), "--output_dir", str(tmp_path)])
+
+
+def test_memopd_arms_refuse_distill_coef_zero(hotpot, tmp_path):
+    with pytest.raises(ValueError, match="--distill_coef 0"):
+        hotpot.main(["--preset", "smoke", "--distill_coef", "0", "--output_dir", str(tmp_path)])
+
+
+def test_rerun_reuses_the_cached_teacher_and_student(hotpot, tmp_path):
+    out = tmp_path / "cache"
+    argv = ["--preset", "smoke", "--arms", "ppo", "--max_steps", "1", "--output_dir", str(out), "--report_to", "none"]
+    hotpot.main(argv)
+    stamps = {role: (out / role / "model.safetensors").stat().st_mtime_ns for role in ("teacher", "student_init")}
+    hotpot.main(argv)
+    assert stamps == {role: (out / role / "model.safetensors").stat().st_mtime_ns for role in stamps}
+    # A different student recipe rebuilds the student only.
+    hotpot.main(argv + ["--student_epochs", "0.25"])
+    assert (out / "teacher" / "model.safetensors").stat().st_mtime_ns == stamps["teacher"]
+    assert (out / "student_init" / "model.safetensors").stat().st_mtime_ns != stamps["student_init"]
 
 
 def test_real_mode_trains_local_checkpoints_on_a_local_hotpotqa_file(hotpot, tmp_path, tiny_tokenizer):
@@ -63,10 +87,14 @@ def test_real_mode_trains_local_checkpoints_on_a_local_hotpotqa_file(hotpot, tmp
     out = tmp_path / "real"
     summary = hotpot.main([
         "--dataset", str(HOTPOT_SAMPLE), "--model_name_or_path", str(tmp_path / "student"),
-        "--teacher_model_name_or_path", str(tmp_path / "teacher"), "--arms", "memopd", "--arm_steps", "1",
-        "--eval_every", "1", "--env_max_turns", "2", "--max_new_tokens", "8", "--num_generations", "2",
-        "--per_device_train_batch_size", "1", "--output_dir", str(out), "--report_to", "none", "--use_cpu",
+        "--teacher_model_name_or_path", str(tmp_path / "teacher"), "--arms", "memopd", "--max_steps", "1",
+        "--eval_steps", "1", "--max_turns", "2", "--max_new_tokens", "8", "--num_generations", "2",
+        "--per_device_train_batch_size", "1", "--num_eval_questions", "2", "--output_dir", str(out),
+        "--report_to", "none", "--use_cpu", "--use_peft", "--lora_target_modules", "q_proj", "v_proj",
     ])
     (run,) = summary["runs"]
     assert run["arm"] == "memopd" and run["curve"][-1][0] == 1
     assert (out / "results.json").exists()
+    saved = out / "seed-0" / "memopd"
+    assert (saved / "adapter_config.json").exists(), "real mode saves each arm's model (LoRA adapters with --use_peft)"
+    assert "MemOPD" in (saved / "README.md").read_text()
