@@ -10,11 +10,15 @@ Offline default (no network; about 12 minutes on 2 CPU cores, see docs/results.m
 1. a seeded synthetic HotpotQA-format world (bridge questions over invented films, companies and people), a BM25
    retriever over its passages and a small BPE tokenizer trained on its texts;
 2. a teacher (hidden 128, 2 layers) trained by imitation of the scripted expert's compact-memory trajectories, after a
-   short copy warm-up (random strings to repeat), cached in `<output_dir>/teacher/`;
-3. a smaller student (hidden 64, 2 layers) warm-started briefly the same way, cached in `<output_dir>/student_init/`;
+   short copy warm-up (random strings to repeat), cached in `<output_dir>/teacher/`. A fifth of the expert's search
+   turns are played with a mistake (garbled query, repeated search, forgotten fact) while the trace keeps the
+   expert's own next actions, so the teacher has also seen how to recover from states a weak student reaches;
+3. a smaller student (hidden 64, 2 layers) warm-started briefly the same way (it knows the action format and answers
+   about half the held-out questions), cached in `<output_dir>/student_init/`;
 4. three arms from that same student start, with the same seed and budget, all through `MemOPDTrainer`: PPO only
    (`distill_coef=0`), MemOPD (aligned teacher scoring) and MemOPD with persistent-history teacher scoring (the
-   matched control), each evaluated greedily on held-out questions every `eval_steps` steps and at the end;
+   matched control), each evaluated greedily on held-out questions every `eval_steps` steps and at the end. The
+   offline preset distills with the reverse KL (`beta=1`) and samples at temperature 0.7 (see docs/results.md);
 5. an F1/EM table on stdout, `results.json` and `eval_f1.png` (held-out F1 against step) in the output directory.
 
 Every number of the offline default comes from the synthetic world and tiny models: it shows the mechanics, not the
@@ -108,10 +112,11 @@ SCRIPT_PRESETS = {
 # MemOPDConfig settings of the offline world (the library's own defaults suit real models).
 OFFLINE_CONFIG_PRESETS = {
     "default": dict(
-        output_dir="outputs/hotpot", max_steps=60, per_device_train_batch_size=8, num_generations=4,
-        learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, max_turns=4, max_new_tokens=64,
-        max_prompt_length=512, eval_strategy="steps", eval_steps=10, logging_steps=10, save_strategy="no",
-        report_to="none", bf16=False, attn_implementation=VARLEN_ATTENTION,
+        output_dir="outputs/hotpot", max_steps=160, steps_per_generation=4, per_device_train_batch_size=8,
+        num_generations=4, learning_rate=3e-4, lr_scheduler_type="constant_with_warmup", warmup_steps=20,
+        temperature=0.7, beta=1.0, max_turns=4, max_new_tokens=64, max_prompt_length=512, eval_strategy="steps",
+        eval_steps=80, logging_steps=20, save_strategy="no", report_to="none", bf16=False,
+        attn_implementation=VARLEN_ATTENTION,
     ),
     "smoke": dict(
         output_dir="outputs/hotpot-smoke", max_steps=2, per_device_train_batch_size=2, num_generations=2,
@@ -221,7 +226,7 @@ class HotpotScriptArguments:
     teacher_epochs: float = field(default=2.0, metadata={"help": "Epochs of teacher imitation."})
     teacher_learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate of teacher imitation."})
     student_warmup_questions: int = field(
-        default=1200, metadata={"help": "Questions whose expert turns warm-start the student."}
+        default=1500, metadata={"help": "Questions whose expert turns warm-start the student."}
     )
     student_epochs: float = field(default=1.0, metadata={"help": "Epochs of the student warm-start."})
     student_learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate of the warm-start."})
@@ -254,6 +259,11 @@ class HotpotScriptArguments:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         metadata={"help": "Modules that get LoRA adapters (leave `lm_head` out)."},
     )
+    cpu_threads: int | None = field(
+        default=None,
+        metadata={"help": "Torch threads per process on CPU; defaults to the available cores shared among the local "
+                  "processes (`accelerate launch` would otherwise leave one thread per process)."},
+    )  # fmt: skip
     save_models: bool | None = field(
         default=None,
         metadata={"help": "Save each arm's final model in `<output_dir>/seed-<s>/<arm>`; defaults to True in real "
@@ -263,6 +273,25 @@ class HotpotScriptArguments:
     @property
     def real(self) -> bool:
         return self.model_name_or_path is not None
+
+
+def set_cpu_threads(threads: int | None) -> int:
+    """
+    Set torch's intra-op threads when running on CPU (`None`: the available cores divided among the local processes).
+
+    Returns:
+        `int`: the number of threads torch now uses.
+    """
+    state = PartialState()
+    if state.device.type == "cpu":
+        if threads is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes))
+            threads = max(1, cores // max(1, local_processes))
+        if threads < 1:
+            raise ValueError(f"--cpu_threads must be >= 1, got {threads}.")
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def log(message: str) -> None:
@@ -444,6 +473,19 @@ def prepare_offline_models(script_args, config, world, train, evaluation, env_fa
     return {role: json.loads((path / "memopd_setup.json").read_text()) for role, path in paths.items()}
 
 
+def eval_settings(script_args, config: MemOPDConfig, evaluation: list[dict]) -> dict[str, Any]:
+    """What a greedy held-out score depends on besides the model (to know when a cached score still holds)."""
+    return {
+        "questions": [record["_id"] for record in evaluation],
+        "max_turns": config.max_turns,
+        "max_new_tokens": config.max_new_tokens,
+        "max_prompt_length": config.max_prompt_length,
+        "max_malformed": script_args.max_malformed,
+        "retrieval_top_k": script_args.retrieval_top_k,
+        "system_prompt": script_args.system_prompt,
+    }
+
+
 def _cached_recipe(path: Path) -> dict | None:
     info = path / "memopd_setup.json"
     return json.loads(info.read_text()).get("recipe") if info.exists() else None
@@ -499,6 +541,7 @@ def build_offline_models(script_args, config, world, train, evaluation, env_fact
             "expert_turns": len(steps),
             "final_action_nll": sum(tail) / len(tail),
             "recipe": recipe,
+            "eval_settings": eval_settings(script_args, config, evaluation),
         }
         (paths[role] / "memopd_setup.json").write_text(json.dumps(info, indent=2))
         log(
@@ -576,9 +619,14 @@ def with_dtype(config: MemOPDConfig, dtype: str | None) -> MemOPDConfig:
 # ----------------------------------------------------------------------------------------------------------------
 # Arms
 # ----------------------------------------------------------------------------------------------------------------
-def run_arm(arm: str, seed: int, config: MemOPDConfig, models: dict, data: dict, script_args) -> dict:
+def run_arm(
+    arm: str, seed: int, config: MemOPDConfig, models: dict, data: dict, script_args, start: dict | None = None
+) -> dict:
     """
     Train one arm from the student start and evaluate it greedily on the held-out questions along the way.
+
+    `start` holds the greedy held-out `f1` / `em` of the student start when they are already known (offline, from the
+    set-up, on the same questions): every arm then reuses them instead of replaying the same greedy evaluation.
 
     Returns:
         `dict`: `arm`, `seed`, final `f1` / `em`, the `curve` of `[step, f1, em]` (step 0 is the start) and timings.
@@ -596,15 +644,17 @@ def run_arm(arm: str, seed: int, config: MemOPDConfig, models: dict, data: dict,
         processing_class=models["tokenizer"],
         peft_config=models["peft_config"],
     )
-    start = time.perf_counter()
-    initial = trainer.evaluate()
+    started = time.perf_counter()
+    if start is None:
+        initial = trainer.evaluate()
+        start = {"f1": initial["eval_f1"], "em": initial["eval_em"]}
     trainer.train()
-    curve = [[0, initial["eval_f1"], initial["eval_em"]]]
+    curve = [[0, start["f1"], start["em"]]]
     curve += [[e["step"], e["eval_f1"], e["eval_em"]] for e in trainer.state.log_history if "eval_f1" in e]
     if curve[-1][0] != trainer.state.global_step:
         final = trainer.evaluate()
         curve.append([trainer.state.global_step, final["eval_f1"], final["eval_em"]])
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - started
     if script_args.save_models:
         trainer.save_model(str(run_dir))
     log(f"[{arm} seed {seed}] held-out F1 {curve[0][1]:.3f} -> {curve[-1][1]:.3f} ({seconds:.0f} s)")
@@ -686,6 +736,8 @@ def main(argv: list[str] | None = None) -> dict:
     """
     start = time.perf_counter()
     script_args, config = parse_args(argv)
+    threads = set_cpu_threads(script_args.cpu_threads)
+    log(f"[run] {PartialState().num_processes} process(es) on {PartialState().device.type}, {threads} torch threads each")
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -708,10 +760,15 @@ def main(argv: list[str] | None = None) -> dict:
         }
     models.update(tokenizer=tokenizer, peft_config=peft_config_of(script_args))
     data = {"train": train, "eval": evaluation, "env_factory": env_factory}
+    start_scores = None  # the student start's held-out score, if the set-up measured it under the same settings
+    if setup and setup["student_init"].get("eval_settings") == eval_settings(script_args, config, evaluation):
+        start_scores = {key: setup["student_init"][key] for key in ("f1", "em")}
     log(f"[arms] {', '.join(script_args.arms)} x seeds {script_args.seeds}: {config.max_steps} steps each")
 
     runs = [
-        run_arm(arm, seed, config, models, data, script_args) for seed in script_args.seeds for arm in script_args.arms
+        run_arm(arm, seed, config, models, data, script_args, start=start_scores)
+        for seed in script_args.seeds
+        for arm in script_args.arms
     ]
     summary = summarize(runs)
     results = {

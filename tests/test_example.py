@@ -2,11 +2,13 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from memopd_trl.modeling import build_tiny_model
 
@@ -45,6 +47,21 @@ def test_help_lists_script_and_trainer_options():
         assert flag in result.stdout, flag
 
 
+def test_cpu_threads_default_to_the_cores_shared_among_local_processes(hotpot, monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        assert hotpot.set_cpu_threads(1) == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        cores = len(os.sched_getaffinity(0))
+        assert hotpot.set_cpu_threads(None) == cores
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+        assert hotpot.set_cpu_threads(None) == 1
+        with pytest.raises(ValueError, match="--cpu_threads"):
+            hotpot.set_cpu_threads(0)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_unknown_arm_is_a_clear_error(hotpot, tmp_path, capsys):
     with pytest.raises(SystemExit):
         hotpot.main(["--preset", "smoke", "--arms", "ppo", "magic", "--output_dir", str(tmp_path)])
@@ -61,13 +78,28 @@ def test_memopd_arms_refuse_distill_coef_zero(hotpot, tmp_path):
         hotpot.main(["--preset", "smoke", "--distill_coef", "0", "--output_dir", str(tmp_path)])
 
 
-def test_rerun_reuses_the_cached_teacher_and_student(hotpot, tmp_path):
+def test_rerun_reuses_the_cached_teacher_and_student(hotpot, tmp_path, monkeypatch):
     out = tmp_path / "cache"
     argv = ["--preset", "smoke", "--arms", "ppo", "--max_steps", "1", "--output_dir", str(out), "--report_to", "none"]
-    hotpot.main(argv)
+    evaluated_at = []
+    evaluate = hotpot.MemOPDTrainer.evaluate
+
+    def recording_evaluate(self, *args, **kwargs):
+        evaluated_at.append(self.state.global_step)
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(hotpot.MemOPDTrainer, "evaluate", recording_evaluate)
+    first = hotpot.main(argv)
     stamps = {role: (out / role / "model.safetensors").stat().st_mtime_ns for role in ("teacher", "student_init")}
-    hotpot.main(argv)
+    second = hotpot.main(argv)
     assert stamps == {role: (out / role / "model.safetensors").stat().st_mtime_ns for role in stamps}
+    # The set-up's greedy score of the student start is every arm's step 0: the trainer never replays it.
+    assert 0 not in evaluated_at
+    for results in (first, second):
+        assert results["runs"][0]["curve"][0][1:] == [results["setup"]["student_init"][k] for k in ("f1", "em")]
+    # Under other evaluation settings the cached score does not hold, and the start is evaluated again.
+    hotpot.main(argv + ["--max_new_tokens", "10"])
+    assert evaluated_at.count(0) == 1
     # A different student recipe rebuilds the student only.
     hotpot.main(argv + ["--student_epochs", "0.25"])
     assert (out / "teacher" / "model.safetensors").stat().st_mtime_ns == stamps["teacher"]
