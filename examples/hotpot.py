@@ -5,7 +5,7 @@
     accelerate launch examples/hotpot.py --preset smoke       # the whole pipeline in seconds (tests, CI)
     accelerate launch examples/hotpot.py --help               # every option, every MemOPDConfig field included
 
-Offline default (no network; about 12 minutes on 2 CPU cores, see docs/results.md):
+Offline default (no network; about 14 minutes on 2 CPU cores, see docs/results.md):
 
 1. a seeded synthetic HotpotQA-format world (bridge questions over invented films, companies and people), a BM25
    retriever over its passages and a small BPE tokenizer trained on its texts;
@@ -145,7 +145,7 @@ class HotpotScriptArguments:
     preset: str = field(
         default="default",
         metadata={
-            "help": "Sizes of the run: `default` (offline: ~12 min on 2 CPU cores) or `smoke` (the same pipeline in "
+            "help": "Sizes of the run: `default` (offline: ~14 min on 2 CPU cores) or `smoke` (the same pipeline in "
             "seconds). Flags given on the command line override the preset.",
             "choices": ["default", "smoke"],
         },
@@ -324,6 +324,9 @@ def parse_args(argv: list[str] | None) -> tuple[HotpotScriptArguments, MemOPDCon
         **(REAL_SCRIPT_PRESETS if real else SCRIPT_PRESETS)[script_args.preset],
         **(REAL_CONFIG_PRESETS if real else OFFLINE_CONFIG_PRESETS)[script_args.preset],
     }
+    if not torch.accelerator.is_available():
+        # Without `use_cpu`, processes started by `accelerate launch` on a machine without GPUs would each run alone.
+        defaults["use_cpu"] = True
     parser = TrlParser((HotpotScriptArguments, MemOPDConfig))
     parser.set_defaults_with_config(**defaults)
     script_args, config = parser.parse_args_and_config(args=argv)
@@ -736,6 +739,7 @@ def main(argv: list[str] | None = None) -> dict:
     """
     start = time.perf_counter()
     script_args, config = parse_args(argv)
+    config.device  # noqa: B018  (sets up the process group before anything asks for the process state)
     threads = set_cpu_threads(script_args.cpu_threads)
     log(f"[run] {PartialState().num_processes} process(es) on {PartialState().device.type}, {threads} torch threads each")
     output_dir = Path(config.output_dir)
@@ -776,6 +780,7 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": script_args.preset,
         "command": "examples/hotpot.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "seeds": script_args.seeds,
+        "num_processes": PartialState().num_processes,
         "setup": setup,
         "runs": runs,
         "summary": summary,

@@ -32,7 +32,7 @@ def test_smoke_preset_runs_every_arm_and_writes_results_and_plot(hotpot, tmp_pat
     results = json.loads((out / "results.json").read_text())
     assert [run["arm"] for run in results["runs"]] == ["ppo", "memopd", "memopd_persistent"]
     assert all(0.0 <= run["f1"] <= 1.0 and run["curve"] for run in results["runs"])
-    assert {"teacher", "student_init"} <= set(results["setup"])
+    assert {"teacher", "student_init"} <= set(results["setup"]) and results["num_processes"] == 1
     assert (out / "eval_f1.png").stat().st_size > 0
     assert (out / "teacher" / "config.json").exists(), "the teacher is cached for reruns"
     assert summary["runs"] == results["runs"]
