@@ -628,8 +628,8 @@ def run_arm(
     """
     Train one arm from the student start and evaluate it greedily on the held-out questions along the way.
 
-    `start` holds the greedy held-out `f1` / `em` of the student start when they are already known (offline, from the
-    set-up, on the same questions): every arm then reuses them instead of replaying the same greedy evaluation.
+    `start` holds the greedy held-out `f1` / `em` of the student start when they are already known (from the set-up
+    offline, else from the first arm run): the arm reuses them instead of replaying the same greedy evaluation.
 
     Returns:
         `dict`: `arm`, `seed`, final `f1` / `em`, the `curve` of `[step, f1, em]` (step 0 is the start) and timings.
@@ -769,11 +769,12 @@ def main(argv: list[str] | None = None) -> dict:
         start_scores = {key: setup["student_init"][key] for key in ("f1", "em")}
     log(f"[arms] {', '.join(script_args.arms)} x seeds {script_args.seeds}: {config.max_steps} steps each")
 
-    runs = [
-        run_arm(arm, seed, config, models, data, script_args, start=start_scores)
-        for seed in script_args.seeds
-        for arm in script_args.arms
-    ]
+    runs = []
+    for seed in script_args.seeds:
+        for arm in script_args.arms:
+            runs.append(run_arm(arm, seed, config, models, data, script_args, start=start_scores))
+            # Every arm starts from the same model and is scored greedily on the same questions: measure it once.
+            start_scores = start_scores or dict(zip(("f1", "em"), runs[-1]["curve"][0][1:], strict=True))
     summary = summarize(runs)
     results = {
         "mode": "real" if script_args.real else "offline",
