@@ -112,7 +112,7 @@ SCRIPT_PRESETS = {
 # MemOPDConfig settings of the offline world (the library's own defaults suit real models).
 OFFLINE_CONFIG_PRESETS = {
     "default": dict(
-        output_dir="outputs/hotpot", max_steps=160, steps_per_generation=4, per_device_train_batch_size=8,
+        output_dir="outputs/hotpot", max_steps=160, num_iterations=4, per_device_train_batch_size=8,
         num_generations=4, learning_rate=3e-4, lr_scheduler_type="constant_with_warmup", warmup_steps=20,
         temperature=0.7, beta=1.0, max_turns=4, max_new_tokens=64, max_prompt_length=512, eval_strategy="steps",
         eval_steps=80, logging_steps=20, save_strategy="no", report_to="none", bf16=False,

@@ -127,9 +127,11 @@ class MemOPDConfig(_BaseConfig):
             GAE lambda.
         vf_coef (`float`, *optional*, defaults to `0.1`):
             Weight of the value loss when `advantage_estimator="gae"`.
-        steps_per_generation (`int`, *optional*, defaults to `1`):
-            Optimizer updates made on one rollout batch before sampling a new one (PPO epochs); old log-probs stay
-            those of the rollout.
+        cliprange_value (`float`, *optional*, defaults to `0.2`):
+            Clipping range of the value predictions around the rollout's values in the value loss (TRL's PPO name).
+        num_iterations (`int`, *optional*, defaults to `1`):
+            Optimizer updates made on one rollout batch before sampling a new one (GRPO's `num_iterations`, PPO's
+            epochs); old log-probs stay those of the rollout.
 
         > Parameters that control packing and scoring
 
@@ -293,8 +295,13 @@ class MemOPDConfig(_BaseConfig):
     gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
     lam: float = field(default=1.0, metadata={"help": "GAE lambda."})
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss with `advantage_estimator=gae`."})
-    steps_per_generation: int = field(
-        default=1, metadata={"help": "Optimizer updates made on one rollout batch before sampling a new one."}
+    cliprange_value: float = field(
+        default=0.2,
+        metadata={"help": "Clipping range of the value predictions around the rollout's values in the value loss."},
+    )
+    num_iterations: int = field(
+        default=1,
+        metadata={"help": "Optimizer updates made on one rollout batch before sampling a new one (GRPO's name)."},
     )
 
     # Packing and scoring
@@ -316,7 +323,7 @@ class MemOPDConfig(_BaseConfig):
         def bad(name: str, allowed: str):
             raise ValueError(f"`{name}` must be {allowed}, got {getattr(self, name)!r}.")
 
-        for name in ("distill_coef", "ppo_coef", "kl_coef", "vf_coef", "epsilon"):
+        for name in ("distill_coef", "ppo_coef", "kl_coef", "vf_coef", "epsilon", "cliprange_value"):
             if getattr(self, name) < 0:
                 bad(name, ">= 0")
         if self.distill_coef == 0 and self.ppo_coef == 0:
@@ -340,7 +347,7 @@ class MemOPDConfig(_BaseConfig):
             "max_new_tokens",
             "max_prompt_length",
             "num_generations",
-            "steps_per_generation",
+            "num_iterations",
             "max_tokens_per_row",
             "logit_chunk_size",
         ):

@@ -308,7 +308,7 @@ class MemOPDTrainer(_BaseTrainer):
 
     def _get_train_sampler(self, train_dataset=None) -> torch.utils.data.Sampler:
         # The questions of one optimizer step (all processes, all gradient-accumulation micro-batches) are yielded
-        # `steps_per_generation` times in a row; each micro-batch is rolled out on its first occurrence and the
+        # `num_iterations` times in a row; each micro-batch is rolled out on its first occurrence and the
         # following updates reuse it (see `_prepare_inputs`).
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         args = self.args
@@ -316,7 +316,7 @@ class MemOPDTrainer(_BaseTrainer):
             data_source=dataset,
             mini_repeat_count=1,
             batch_size=args.per_device_train_batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
-            repeat_count=self.args.steps_per_generation,
+            repeat_count=self.args.num_iterations,
             shuffle=True,
             seed=self.args.seed,
         )
@@ -347,7 +347,7 @@ class MemOPDTrainer(_BaseTrainer):
         if self._micro_step is None:  # first call of this run (or of a resumed run)
             self._micro_step = self.state.global_step * accumulation
         slot = self._micro_step % accumulation
-        first_update_of_round = (self._micro_step // accumulation) % self.args.steps_per_generation == 0
+        first_update_of_round = (self._micro_step // accumulation) % self.args.num_iterations == 0
         if first_update_of_round or slot not in self._buffers:
             self._buffers[slot] = self._rollout_and_score(records)
         self._micro_step += 1
@@ -537,7 +537,7 @@ class MemOPDTrainer(_BaseTrainer):
             metrics["kl_ref"].append(kl.item())
         if self.value_head is not None:
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-            v_loss = value_loss(values, inputs["returns"], old_values=inputs["old_values"], clip=args.epsilon)
+            v_loss = value_loss(values, inputs["returns"], old_values=inputs["old_values"], clip=args.cliprange_value)
             loss = loss + args.vf_coef * v_loss
             metrics["loss/value"].append(v_loss.item())
         metrics["entropy"].append(entropy.mean().item() if entropy.numel() else 0.0)

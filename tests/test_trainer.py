@@ -131,14 +131,14 @@ def test_ppo_only_with_all_equal_rewards_gives_zero_gradient(tmp_path, world, en
 
 
 def test_distillation_on_a_fixed_batch_lowers_gjsd(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
-    # steps_per_generation reuses one rollout batch: pure distillation on it must bring the student to the teacher.
+    # num_iterations reuses one rollout batch: pure distillation on it must bring the student to the teacher.
     teacher = make_tiny_model(seed=1)
     with torch.no_grad():
         teacher.get_output_embeddings().weight.mul_(5.0)  # a confident teacher, far from the near-uniform student
     trainer = MemOPDTrainer(
         model=make_tiny_model(seed=0),
         teacher_model=teacher,
-        args=make_config(tmp_path, ppo_coef=0.0, beta=0.0, max_steps=8, steps_per_generation=8, learning_rate=1e-2),
+        args=make_config(tmp_path, ppo_coef=0.0, beta=0.0, max_steps=8, num_iterations=8, learning_rate=1e-2),
         train_dataset=world.records,
         env_factory=env_factory,
         processing_class=tiny_tokenizer,
@@ -358,7 +358,7 @@ def test_gradient_accumulation_rolls_out_every_micro_batch(tmp_path, world, env_
     trainer = MemOPDTrainer(
         model=make_tiny_model(seed=0),
         teacher_model=make_tiny_model(seed=1),
-        args=make_config(tmp_path, max_steps=2, gradient_accumulation_steps=2, steps_per_generation=2),
+        args=make_config(tmp_path, max_steps=2, gradient_accumulation_steps=2, num_iterations=2),
         train_dataset=world.records,
         env_factory=env_factory,
         processing_class=tiny_tokenizer,
@@ -372,7 +372,7 @@ def test_gradient_accumulation_rolls_out_every_micro_batch(tmp_path, world, env_
 
     trainer._rollout_and_score = record
     trainer.train()
-    # Step 1 rolls out its two micro-batches; step 2 reuses both (steps_per_generation=2).
+    # Step 1 rolls out its two micro-batches; step 2 reuses both (num_iterations=2).
     assert len(played) == 2 and played[0] != played[1], played
 
 
