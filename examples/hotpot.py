@@ -79,7 +79,7 @@ import memopd_trl.scoring  # noqa: E402, F401  (registers the "memopd_sdpa_varle
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer, load_hotpotqa  # noqa: E402
 from memopd_trl.envs.expert import expert_trajectories  # noqa: E402
 from memopd_trl.envs.retrieval import corpus_from_records  # noqa: E402
-from memopd_trl.envs.synthetic import _SYLLABLES, make_synthetic_world  # noqa: E402
+from memopd_trl.envs.synthetic import NAME_SYLLABLES, make_synthetic_world  # noqa: E402
 from memopd_trl.imitation import copy_task_invocations, expert_invocations, imitation_train  # noqa: E402
 from memopd_trl.modeling import build_tiny_model  # noqa: E402
 from memopd_trl.rollout import RolloutEngine  # noqa: E402
@@ -419,7 +419,7 @@ def build_offline_tokenizer(world, expert_steps, vocab_size: int):
     texts = world.texts()
     for messages, action in expert_steps[:1000]:
         texts += [message["content"] for message in messages] + [action]
-    return build_tokenizer(texts, vocab_size=vocab_size, extra_tokens=[s.capitalize() for s in _SYLLABLES])
+    return build_tokenizer(texts, vocab_size=vocab_size, extra_tokens=[s.capitalize() for s in NAME_SYLLABLES])
 
 
 def greedy_scores(model, tokenizer, env_factory, records, config: MemOPDConfig) -> dict[str, float]:

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 
-_SYLLABLES = (
+# Syllables that invented names are built from (a tokenizer can keep their capitalized forms as single tokens).
+NAME_SYLLABLES = (
     "ka", "lo", "mi", "ra", "tu", "ve", "sa", "no", "di", "pe", "zu", "ri", "ba", "ku", "to", "li", "da", "mo", "vi",
     "gu", "ta", "shi", "ren", "vel", "dor", "mar", "tes", "lun", "bri", "kor", "sel", "nim", "val", "dru", "pa", "go",
     "ze", "zo",
@@ -184,8 +185,8 @@ class _WorldBuilder:
         self.rng = rng
         self.filler_prob = filler_prob
         # Every word of two or three syllables, in a fixed order; names and cities are drawn from these.
-        two = [(a + b).capitalize() for a in _SYLLABLES for b in _SYLLABLES]
-        three = [(a + b + c).capitalize() for a in _SYLLABLES for b in _SYLLABLES for c in _SYLLABLES]
+        two = [(a + b).capitalize() for a in NAME_SYLLABLES for b in NAME_SYLLABLES]
+        three = [(a + b + c).capitalize() for a in NAME_SYLLABLES for b in NAME_SYLLABLES for c in NAME_SYLLABLES]
         two = [w for w in two if w.lower() not in _RESERVED]
         three = [w for w in three if w.lower() not in _RESERVED]
         cities: dict[str, None] = {}  # insertion-ordered set
