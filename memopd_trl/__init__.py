@@ -31,6 +31,9 @@ _EXPORTS = {
     "ppo_clip_loss": "memopd_trl.losses",
     "MemOPDConfig": "memopd_trl.config",
     "MemOPDTrainer": "memopd_trl.trainer",
+    "multi_answer_f1": "memopd_trl.metrics",
+    "multi_answer_em": "memopd_trl.metrics",
+    "make_multi_objective_tasks": "memopd_trl.envs.multi",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -64,3 +67,5 @@ if TYPE_CHECKING:
     from .records import Episode, Invocation
     from .rollout import RolloutEngine
     from .trainer import MemOPDTrainer
+    from .metrics import multi_answer_em, multi_answer_f1
+    from .envs.multi import make_multi_objective_tasks

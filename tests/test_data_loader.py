@@ -102,7 +102,8 @@ def test_missing_id_names_the_index():
     [
         ({"answer": 3}, r"record 'abc123': field 'answer' must be a string, got int"),
         ({"question": None}, r"field 'question' must be a string, got NoneType"),
-        ({"type": "multi"}, r"field 'type' must be one of \('bridge', 'comparison'\), got 'multi'"),
+        ({"type": "trivia"}, r"field 'type' must be one of \('bridge', 'comparison'\), got 'trivia'"),
+        ({"type": "multi"}, r"record 'abc123': field 'sub_answers' is missing, yet the record has type 'multi'"),
         ({"level": "HARD"}, r"field 'level' must be one of"),
         ({"context": {"title": []}}, r"field 'context' must be a list of \[title, sentences\], got dict"),
         ({"context": [["A", "one string"]]}, r"field 'context'\[0\] \('A'\): sentences must be a list of strings"),
@@ -204,3 +205,37 @@ def test_hub_source_is_loaded_through_datasets_and_converted(monkeypatch):
     records = load_hotpotqa("hotpotqa/hotpot_qa", split="train", name="distractor", limit=1)
     assert calls == [("hotpotqa/hotpot_qa", "distractor", "train")]
     assert records == [RECORD]
+
+
+# ----- multi-objective records --------------------------------------------------------------------------------------
+def test_multi_objective_records_of_real_questions_validate():
+    from memopd_trl.envs.multi import make_multi_objective_tasks
+
+    records = load_hotpotqa(sample_path())
+    tasks = make_multi_objective_tasks(records, k=2, seed=0)
+    for index, task in enumerate(tasks):
+        validate_record(task, index)  # supporting facts of every sub-question point into the united context
+    assert {task["type"] for task in tasks} == {"multi"}
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (
+            {"answer": "Porto ; Lisbon"},
+            r"record 'abc123': field 'answer' \('Porto ; Lisbon'\) must be the sub-answers",
+        ),
+        (
+            {"sub_answers": ["Porto;"], "answer": "Porto;"},
+            r"record 'abc123': field 'sub_answers'\[0\] \('Porto;'\) holds",
+        ),
+        ({"type": "bridge"}, r"record 'abc123': field 'type' of a multi-objective task must be 'multi'"),
+    ],
+)
+def test_broken_multi_objective_records_name_the_record_and_field(fields, match):
+    record = changed(type="multi", sub_answers=["Porto"], sub_ids=["abc123"], sub_types=["bridge"])
+    record["sub_questions"] = [RECORD["question"]]
+    validate_record(record, 0)  # sound as it is
+    record.update(fields)
+    with pytest.raises(ValueError, match=match):
+        validate_record(record, 0)

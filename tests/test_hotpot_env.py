@@ -143,3 +143,78 @@ def test_episodes_on_real_hotpotqa_records_show_real_passages():
         rewards.append(answer.reward)
     assert rewards == [1.0] * len(records)  # the gold answer scores 1 on every record, yes/no included
     assert gold_seen / len(records) >= 0.8
+
+
+# ----- multi-objective tasks ---------------------------------------------------------------------------------------
+MULTI_RECORD = {
+    "_id": "r1+r2",
+    "question": "Question 1: Where was the author of The Grey Tide born?\nQuestion 2: What is Ana Lee's job?",
+    "answer": "Porto ; novelist",
+    "sub_answers": ["Porto", "novelist"],
+    "sub_questions": ["Where was the author of The Grey Tide born?", "What is Ana Lee's job?"],
+}
+
+
+def test_multi_objective_task_lists_its_questions_and_the_separator():
+    env = HotpotQAEnv.factory(corpus=CORPUS)()
+    task = env.reset(MULTI_RECORD)[1]["content"]
+    instruction = (
+        'Answer the 2 questions, searching for the facts you need. Give their answers in order, separated by ";".'
+    )
+    assert task.startswith(instruction + "\n")
+    assert task.endswith(
+        "\nQuestion 1: Where was the author of The Grey Tide born?\nQuestion 2: What is Ana Lee's job?"
+    )
+
+
+@pytest.mark.parametrize(
+    "answer, f1, sub_f1",
+    [
+        ("Porto ; novelist", 1.0, [1.0, 1.0]),
+        ("Porto;a novelist", 1.0, [1.0, 1.0]),
+        ("Porto", 0.5, [1.0, 0.0]),  # the second part is missing
+        ("novelist ; Porto", 0.0, [0.0, 0.0]),  # parts align by position
+        ("the city of Porto ; novelist", 0.75, [0.5, 1.0]),
+        ("Porto novelist", 1 / 3, [2 / 3, 0.0]),  # without the separator it is one part
+    ],
+)
+def test_multi_objective_reward_is_the_mean_sub_question_f1(answer, f1, sub_f1):
+    env = HotpotQAEnv.factory(corpus=CORPUS)()
+    env.reset(MULTI_RECORD)
+    result = env.step(FMT.render_action("m", "answer", answer))
+    assert result.reward == pytest.approx(f1) and env.f1 == pytest.approx(f1)
+    assert result.info["sub_f1"] == pytest.approx(sub_f1) and env.sub_f1 == pytest.approx(sub_f1)
+    assert result.info["em"] == pytest.approx(sum(s == 1.0 for s in sub_f1) / 2)
+
+
+def test_single_questions_are_scored_as_before_even_with_a_semicolon():
+    env = HotpotQAEnv.factory(corpus=CORPUS)()
+    env.reset(RECORD)
+    result = env.step(FMT.render_action("m", "answer", "Porto ; Lisbon"))
+    assert result.reward == pytest.approx(2 / 3) and "sub_f1" not in result.info and env.sub_f1 == []
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"sub_answers": "Porto"}, r"Record 'r1\+r2': field 'sub_answers' must be a non-empty list"),
+        ({"sub_answers": []}, r"field 'sub_answers' must be a non-empty list"),
+        ({"sub_answers": ["Porto", ""]}, r"field 'sub_answers'\[1\] must be a non-empty string"),
+        ({"sub_answers": ["Porto", "a;b"], "answer": "Porto ; a;b"}, r"'sub_answers'\[1\] \('a;b'\) holds ';'"),
+        ({"answer": "Porto, novelist"}, r"field 'answer' \('Porto, novelist'\) must be the sub-answers joined by"),
+        ({"sub_questions": ["only one"]}, r"field 'sub_questions' must be a list with one entry per sub-answer \(2\)"),
+        ({"sub_types": ["bridge", "trivia"]}, r"field 'sub_types'\[1\] must be one of \('bridge', 'comparison'\)"),
+        ({"type": "bridge"}, r"field 'type' of a multi-objective task must be 'multi'"),
+        ({"sub_answers": ...}, r"field 'sub_answers' is missing, yet the record has field\(s\) \['sub_questions'\]"),
+    ],
+)
+def test_reset_rejects_broken_multi_objective_records(fields, match):
+    record = dict(MULTI_RECORD)
+    for name, value in fields.items():
+        if value is ...:
+            del record[name]
+        else:
+            record[name] = value
+    env = HotpotQAEnv.factory(corpus=CORPUS)()
+    with pytest.raises(ValueError, match=match):
+        env.reset(record)

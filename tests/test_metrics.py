@@ -1,7 +1,7 @@
 import pytest
 
-from memopd_trl import exact_match, qa_f1
-from memopd_trl.metrics import normalize_answer
+from memopd_trl import exact_match, multi_answer_em, multi_answer_f1, qa_f1
+from memopd_trl.metrics import MULTI_ANSWER_SEPARATOR, multi_answer_scores, normalize_answer, split_multi_answer
 
 
 @pytest.mark.parametrize(
@@ -59,3 +59,42 @@ def test_exact_match_is_strict_beyond_normalization():
     assert exact_match("Eiffel Tower", "Eiffel Tower in Paris") == 0.0
     assert exact_match("an apple", "Apple") == 1.0
 
+
+# ----- multi-objective answers -----------------------------------------------------------------------------------
+
+
+def test_multi_answer_is_the_mean_of_per_sub_question_scores_hand_worked():
+    # part 1: "eiffel tower" vs "eiffel tower in paris" -> F1 2/3, EM 0; part 2: exact -> 1, 1. Mean: 5/6 and 1/2.
+    scores = multi_answer_scores("the Eiffel Tower ; Porto", ["Eiffel Tower in Paris", "Porto"])
+    assert scores["sub_f1"] == pytest.approx([2 / 3, 1.0]) and scores["sub_em"] == [0.0, 1.0]
+    assert scores["f1"] == pytest.approx(5 / 6) and scores["em"] == 0.5
+    assert multi_answer_f1("the Eiffel Tower ; Porto", ["Eiffel Tower in Paris", "Porto"]) == pytest.approx(5 / 6)
+    assert multi_answer_em("the Eiffel Tower ; Porto", ["Eiffel Tower in Paris", "Porto"]) == 0.5
+
+
+def test_multi_answer_parts_align_by_position_and_missing_parts_score_zero():
+    gold = ["Porto", "painter", "yes"]
+    assert multi_answer_f1("painter ; Porto ; yes", gold) == pytest.approx(1 / 3)  # no credit out of place
+    assert multi_answer_f1("Porto ; painter", gold) == pytest.approx(2 / 3)  # the third part is missing
+    assert multi_answer_f1("Porto", gold) == pytest.approx(1 / 3)
+    assert multi_answer_f1(" ; painter", gold) == pytest.approx(1 / 3)  # an empty first part still holds its place
+    assert multi_answer_f1("Porto ; painter ; yes ; extra", gold) == 1.0  # parts past the last question are ignored
+    assert multi_answer_em("Porto ; painter ; no", gold) == pytest.approx(2 / 3)  # no partial credit on yes/no
+
+
+def test_multi_answer_split_needs_the_semicolon_not_its_spaces():
+    assert split_multi_answer("Porto;painter ;  yes") == ["Porto", "painter", "yes"]
+    assert MULTI_ANSWER_SEPARATOR.join(["Porto", "painter"]) == "Porto ; painter"
+    assert multi_answer_f1("Porto;painter", ["Porto", "painter"]) == 1.0
+    assert multi_answer_f1("Porto painter", ["Porto", "painter"]) == pytest.approx(2 / 3 / 2)  # one part, half right
+
+
+def test_normalization_cannot_produce_the_separator():
+    assert ";" not in normalize_answer("a;b ; c")  # ASCII punctuation is dropped, so no gold answer holds it
+
+
+def test_multi_answer_needs_a_list_of_gold_answers():
+    with pytest.raises(ValueError, match="non-empty list"):
+        multi_answer_f1("Porto", [])
+    with pytest.raises(ValueError, match="non-empty list"):
+        multi_answer_f1("Porto", "Porto ; painter")

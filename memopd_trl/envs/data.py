@@ -15,17 +15,85 @@ The official layout (the JSON files of the HotpotQA release) has seven fields pe
 The Hub copy (`hotpotqa/hotpot_qa`) stores the same data differently: `id` instead of `_id`, `context` as
 `{"title": [...], "sentences": [[...], ...]}` and `supporting_facts` as `{"title": [...], "sent_id": [...]}`;
 `hub_to_official` converts it. Every record is validated and a bad one raises; none is silently dropped.
+
+A multi-objective record (k sub-questions in one task, made by `memopd_trl.envs.multi.make_multi_objective_tasks`)
+has the same seven fields, with `type` `"multi"` and `answer` the sub-answers joined by `" ; "`, plus four lists of
+length k: `sub_ids`, `sub_questions`, `sub_answers` and `sub_types` (each `"bridge"` or `"comparison"`).
 """
 
 import json
 from pathlib import Path
 from typing import Any
 
+from ..metrics import MULTI_ANSWER_SEPARATOR
+
 
 LABEL_FIELDS = ("answer", "supporting_facts", "type", "level")
 QUESTION_TYPES = ("bridge", "comparison")
 LEVELS = ("easy", "medium", "hard")
 SETTINGS = ("distractor", "fullwiki")
+MULTI_OBJECTIVE_TYPE = "multi"
+MULTI_OBJECTIVE_FIELDS = ("sub_ids", "sub_questions", "sub_answers", "sub_types")
+
+
+def is_multi_objective(record: dict[str, Any]) -> bool:
+    """Whether `record` is a multi-objective task: it has a `sub_answers` field (or says `type` `"multi"`)."""
+    return "sub_answers" in record or record.get("type") == MULTI_OBJECTIVE_TYPE
+
+
+def multi_objective_problem(record: dict[str, Any]) -> str | None:
+    """
+    What is wrong with the multi-objective fields of `record`, if anything.
+
+    A record with none of `sub_ids`, `sub_questions`, `sub_answers`, `sub_types` and a `type` other than `"multi"` is a
+    single question: nothing to check. Otherwise `sub_answers` must be a non-empty list of non-empty strings, none
+    holding the separator's `;`; `answer` (when present) must be them joined by `" ; "`; the other lists, when
+    present, must have one entry per sub-answer (strings; `sub_types` each `"bridge"` or `"comparison"`).
+
+    Returns:
+        `str` or `None`: the problem, naming the field and what to do, or `None` when the fields are sound.
+    """
+    present = [name for name in MULTI_OBJECTIVE_FIELDS if name in record]
+    if not present and record.get("type") != MULTI_OBJECTIVE_TYPE:
+        return None
+    hint = "make such records with memopd_trl.envs.multi.make_multi_objective_tasks"
+    if "sub_answers" not in record:
+        what = f"field(s) {present}" if present else "type 'multi'"
+        return f"field 'sub_answers' is missing, yet the record has {what} of a multi-objective task; {hint}."
+    sub_answers = record["sub_answers"]
+    if not isinstance(sub_answers, list) or not sub_answers:
+        return f"field 'sub_answers' must be a non-empty list of strings, got {sub_answers!r:.120}; {hint}."
+    separator = MULTI_ANSWER_SEPARATOR.strip()
+    for i, answer in enumerate(sub_answers):
+        if not isinstance(answer, str) or not answer.strip():
+            return f"field 'sub_answers'[{i}] must be a non-empty string, got {answer!r:.120}."
+        if separator in answer:
+            return (
+                f"field 'sub_answers'[{i}] ({answer!r:.120}) holds {separator!r}, the separator of sub-answers; "
+                "leave records whose answer holds it out of multi-objective tasks."
+            )
+    if "answer" in record and record["answer"] != MULTI_ANSWER_SEPARATOR.join(sub_answers):
+        return (
+            f"field 'answer' ({record['answer']!r:.120}) must be the sub-answers joined by "
+            f"{MULTI_ANSWER_SEPARATOR!r}, i.e. {MULTI_ANSWER_SEPARATOR.join(sub_answers)!r:.120}."
+        )
+    for name in ("sub_ids", "sub_questions", "sub_types"):
+        if name not in record:
+            continue
+        values = record[name]
+        if not isinstance(values, list) or len(values) != len(sub_answers):
+            return (
+                f"field {name!r} must be a list with one entry per sub-answer ({len(sub_answers)}), got "
+                f"{values!r:.120}."
+            )
+        for i, value in enumerate(values):
+            if not isinstance(value, str) or not value.strip():
+                return f"field {name!r}[{i}] must be a non-empty string, got {value!r:.120}."
+            if name == "sub_types" and value not in QUESTION_TYPES:
+                return f"field 'sub_types'[{i}] must be one of {QUESTION_TYPES}, got {value!r}."
+    if record.get("type", MULTI_OBJECTIVE_TYPE) != MULTI_OBJECTIVE_TYPE:
+        return f"field 'type' of a multi-objective task must be {MULTI_OBJECTIVE_TYPE!r}, got {record['type']!r}."
+    return None
 
 
 def _fail(record: Any, index: int | None, message: str) -> ValueError:
@@ -54,7 +122,8 @@ def validate_record(
     """
     Check that a record has HotpotQA's official layout; raise a `ValueError` naming the record `_id` (or its index
     when it has no usable `_id`) and the field otherwise. Text fields must be valid Unicode (no lone surrogate from a
-    bad `\\u` escape); `_id`, `question` and (when labels are required) `answer` must not be empty.
+    bad `\\u` escape); `_id`, `question` and (when labels are required) `answer` must not be empty. A multi-objective
+    record's `sub_*` fields are checked too (`multi_objective_problem`).
 
     Args:
         record (`dict`): the record.
@@ -81,7 +150,11 @@ def validate_record(
         if not record[name].strip():
             hint = " (pass require_labels=False for unlabeled data)" if name == "answer" else ""
             raise _fail(record, index, f"field {name!r} is empty; it must hold text{hint}.")
-    for name, allowed in (("type", QUESTION_TYPES), ("level", LEVELS)):
+    multi_problem = multi_objective_problem(record)
+    if multi_problem is not None:
+        raise _fail(record, index, multi_problem)
+    types = QUESTION_TYPES + ((MULTI_OBJECTIVE_TYPE,) if is_multi_objective(record) else ())
+    for name, allowed in (("type", types), ("level", LEVELS)):
         value = record.get(name)
         if value is not None and value not in allowed and (require_labels or value != ""):
             raise _fail(record, index, f"field {name!r} must be one of {allowed}, got {value!r}.")

@@ -3,8 +3,9 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..metrics import exact_match, qa_f1
+from ..metrics import MULTI_ANSWER_SEPARATOR, exact_match, multi_answer_scores, qa_f1
 from .base import MemoryAgentEnv
+from .data import is_multi_objective, multi_objective_problem
 from .retrieval import BM25Retriever
 
 
@@ -17,7 +18,12 @@ class HotpotQAEnv(MemoryAgentEnv):
     `<answer>text</answer>` ends the episode with reward F1(answer, gold answer) (HotpotQA's official normalization).
 
     Works on real HotpotQA records (see `memopd_trl.envs.data.load_hotpotqa`) and on the synthetic world
-    (`memopd_trl.envs.synthetic.make_synthetic_world`), which share one record layout.
+    (`memopd_trl.envs.synthetic.make_synthetic_world`), which share one record layout, and on multi-objective tasks
+    made from either (`memopd_trl.envs.multi.make_multi_objective_tasks`): k numbered sub-questions answered at once,
+    the sub-answers joined by `" ; "`, rewarded with the mean per-sub-question F1 (`metrics.multi_answer_f1`; their
+    scores are also in `info["sub_f1"]` / `info["sub_em"]` and `env.sub_f1` / `env.sub_em`). Such a task needs
+    `max_turns >= multi_objective_max_turns(k)` (`2 * k + 1` in the synthetic world), more than the default 6 from
+    k = 3 on.
 
     Args:
         retriever:
@@ -63,9 +69,17 @@ class HotpotQAEnv(MemoryAgentEnv):
             `list[dict]`: the chat messages of the first model call.
         """
         validate_env_record(record)
-        return super().reset(record)
+        messages = super().reset(record)
+        self.sub_f1: list[float] = []
+        self.sub_em: list[float] = []
+        return messages
 
     def task_text(self, record: dict[str, Any]) -> str:
+        if is_multi_objective(record):
+            return (
+                f"Answer the {len(record['sub_answers'])} questions, searching for the facts you need. Give their "
+                f'answers in order, separated by "{MULTI_ANSWER_SEPARATOR.strip()}".\n{record["question"]}'
+            )
         return f"Answer the question, searching for the facts you need.\nQuestion: {record['question']}"
 
     def search(self, query: str) -> str:
@@ -75,6 +89,10 @@ class HotpotQAEnv(MemoryAgentEnv):
         return "\n".join(f"[{i}] {p['title']}: {p['text']}" for i, p in enumerate(passages, start=1))
 
     def score(self, answer: str) -> dict[str, float]:
+        if is_multi_objective(self._record):
+            scores = multi_answer_scores(answer, self._record["sub_answers"])
+            self.sub_f1, self.sub_em = scores["sub_f1"], scores["sub_em"]
+            return scores
         gold = self._record["answer"]
         return {"f1": qa_f1(answer, gold), "em": exact_match(answer, gold)}
 
@@ -116,7 +134,10 @@ class HotpotQAEnv(MemoryAgentEnv):
 
 
 def validate_env_record(record: Any) -> None:
-    """Raise a `ValueError` naming the record and the field when `record` lacks a string `_id`, `question`, `answer`."""
+    """
+    Raise a `ValueError` naming the record and the field when `record` lacks a string `_id`, `question`, `answer`, or
+    when the fields of a multi-objective task are broken (see `memopd_trl.envs.data.multi_objective_problem`).
+    """
     if not isinstance(record, dict):
         raise ValueError(f"A HotpotQA record must be a dict, got {type(record).__name__}.")
     record_id = record.get("_id", "<no _id>")
@@ -130,3 +151,6 @@ def validate_env_record(record: Any) -> None:
                 f"Record {record_id!r}: field {name!r} must be a string, got {type(record[name]).__name__} "
                 f"({record[name]!r})."
             )
+    problem = multi_objective_problem(record)
+    if problem is not None:
+        raise ValueError(f"Record {record_id!r}: {problem}")
