@@ -5,6 +5,7 @@ import pytest
 
 from memopd_trl.envs.base import ActionFormat, parse_action
 from memopd_trl.envs.expert import (
+    MEMORY_MODES,
     NO_FACTS_MEMORY,
     SyntheticExpert,
     expert_trajectories,
@@ -12,6 +13,7 @@ from memopd_trl.envs.expert import (
     play_episode,
 )
 from memopd_trl.envs.hotpot import HotpotQAEnv
+from memopd_trl.envs.multi import make_multi_objective_tasks, multi_objective_max_turns
 from memopd_trl.envs.retrieval import BM25Retriever
 from memopd_trl.envs.synthetic import make_synthetic_world, parse_question
 
@@ -182,3 +184,79 @@ def test_make_mistake_changes_searches_only_and_stays_well_formed():
 def test_mistake_prob_out_of_range_is_a_clear_error(world, retriever):
     with pytest.raises(ValueError, match="mistake_prob"):
         expert_trajectories(world.records[:2], HotpotQAEnv.factory(retriever=retriever), mistake_prob=1.5)
+
+
+# ----- multi-objective tasks and forgetful experts ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tasks(world):
+    return make_multi_objective_tasks(world.records, k=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def multi_factory(retriever):
+    return HotpotQAEnv.factory(retriever=retriever, max_turns=multi_objective_max_turns(2, retries=1))
+
+
+def test_expert_f1_on_k2_tasks_stays_close_to_its_single_question_f1(world, tasks, multi_factory):
+    single = statistics.mean(e.f1 for e in expert_trajectories(world, multi_factory))
+    multi = expert_trajectories(tasks, multi_factory)
+    assert len(multi) == 250 and all(e.info["num_malformed"] == 0 for e in multi)
+    assert statistics.mean(e.f1 for e in multi) >= single - 0.03 and single >= 0.95
+
+
+def test_multi_episode_plays_the_sub_questions_in_order_and_keeps_every_fact(world, tasks, retriever):
+    by_id = {r["_id"]: r for r in world.records}
+    task = next(t for t in tasks if t["sub_types"] == ["bridge", "comparison"])
+    episode = play_episode(HotpotQAEnv(retriever), task)
+    singles = [play_episode(HotpotQAEnv(retriever), by_id[i]) for i in task["sub_ids"]]
+    assert episode.queries == singles[0].queries + singles[1].queries
+    memories = [parse_action(action, ActionFormat()).memory for _, action in episode.steps]
+    assert memories[0] == NO_FACTS_MEMORY
+    single_memories = [parse_action(s.steps[-1][1], ActionFormat()).memory for s in singles]
+    assert memories[-1] == " ".join(single_memories)  # every fact, verbatim, in the order found
+    for before, after in zip(memories[1:], memories[2:], strict=False):
+        assert after.startswith(before)  # a fact once written stays
+    last = parse_action(episode.steps[-1][1], ActionFormat())
+    single_answers = [parse_action(s.steps[-1][1], ActionFormat()).argument for s in singles]
+    assert last.kind == "answer" and last.argument == " ; ".join(single_answers) == task["answer"]
+    assert episode.f1 == 1.0
+
+
+@pytest.mark.parametrize("memory", ["latest", "none"])
+def test_forgetful_expert_plays_the_same_searches_and_answer_format(tasks, multi_factory, memory):
+    full = expert_trajectories(tasks[:80], multi_factory)
+    forgetful = expert_trajectories(tasks[:80], multi_factory, memory=memory)
+    assert [e.queries for e in forgetful] == [e.queries for e in full]
+    for episode in forgetful:
+        answer = parse_action(episode.steps[-1][1], ActionFormat())
+        assert answer.kind == "answer" and len(answer.argument.split(" ; ")) == 2
+        memories = [parse_action(action, ActionFormat()).memory for _, action in episode.steps]
+        if memory == "none":
+            assert set(memories) == {NO_FACTS_MEMORY}
+        else:  # one fact sentence, the one just found
+            assert memories[0] == NO_FACTS_MEMORY
+            for (messages, _), kept in zip(episode.steps[1:], memories[1:], strict=True):
+                assert kept.count(" is ") == 1 and kept in messages[-1]["content"]
+    expert = SyntheticExpert(memory=memory)
+    for messages, action in forgetful[0].steps:  # stateless: the same messages give the same action
+        assert expert(messages) == action
+
+
+def test_forgetful_experts_score_the_last_sub_question_only(tasks, multi_factory):
+    f1 = {m: [e.info["sub_f1"] for e in expert_trajectories(tasks, multi_factory, memory=m)] for m in MEMORY_MODES}
+    assert statistics.mean(s[0] for s in f1["full"]) >= 0.95
+    for memory in ("latest", "none"):
+        assert statistics.mean(s[0] for s in f1[memory]) < 0.35  # guesses: only comparisons score, by chance
+    assert statistics.mean(s[1] for s in f1["latest"]) >= 0.95  # both facts of the last one are still in view
+    assert statistics.mean(s[1] for s in f1["none"]) >= 0.7  # a comparison's first fact is already forgotten
+
+
+def test_memory_mode_is_checked_and_passed_through(world, retriever):
+    with pytest.raises(ValueError, match="`memory` must be one of"):
+        SyntheticExpert(memory="half")
+    with pytest.raises(ValueError, match="memory mode is 'full'"):
+        expert_trajectories(
+            world.records[:2], HotpotQAEnv.factory(retriever=retriever), SyntheticExpert(), memory="none"
+        )
+    episode = play_episode(HotpotQAEnv(retriever, action_format="mem1"), world.records[0], memory="none")
+    assert all(action.startswith(f"<think>{NO_FACTS_MEMORY}</think>") for _, action in episode.steps)

@@ -1,10 +1,12 @@
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
-from memopd_trl.envs.base import ActionFormat
+from memopd_trl.envs.base import ActionFormat, parse_action
 from memopd_trl.envs.data import validate_record
+from memopd_trl.envs.expert import expert_trajectories, play_episode
 from memopd_trl.envs.hotpot import HotpotQAEnv
 from memopd_trl.envs.multi import (
     MULTI_ANSWER_SEPARATOR,
@@ -127,3 +129,63 @@ def test_real_records_become_tasks_over_the_union_of_their_passages():
         env.reset(task)
         half = env.step(FMT.render_action("m", "answer", subs[0]["answer"] + " ; no idea")).reward
         assert half == pytest.approx(0.5)
+
+
+# ----- memory matters: only the memory carries the earlier sub-questions' facts to the answer step -----------------
+def gold_facts(record):
+    """The gold fact sentences of a single question (its supporting sentences)."""
+    paragraphs = {title: sentences for title, sentences in record["context"]}
+    return [paragraphs[title][sent_id].strip() for title, sent_id in record["supporting_facts"]]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_at_the_answer_step_only_the_memory_carries_the_earlier_facts(world, k):
+    by_id = {r["_id"]: r for r in world.records}
+    tasks = make_multi_objective_tasks(world.records, k=k, seed=1)
+    make = HotpotQAEnv.factory(corpus=world.corpus, memory_policy="compact", max_turns=multi_objective_max_turns(k))
+    episodes = expert_trajectories(tasks, make)
+    assert statistics.mean(e.f1 for e in episodes) == 1.0
+    for task, episode in zip(tasks, episodes, strict=True):
+        answer_messages, answer = episode.steps[-1]
+        assert parse_action(answer, FMT).kind == "answer"
+        assert [m["role"] for m in answer_messages] == ["system", "user", "assistant", "user"]  # compact
+        observation = answer_messages[-1]["content"]
+        memory = parse_action(answer_messages[-2]["content"], FMT).memory
+        memories = [parse_action(action, FMT).memory for _, action in episode.steps]
+        for sub_id in task["sub_ids"][:-1]:
+            for fact in gold_facts(by_id[sub_id]):
+                assert fact not in observation and fact not in answer_messages[1]["content"]
+                assert fact in memory
+                written = next(turn for turn, m in enumerate(memories) if fact in m)
+                assert len(episode.steps) - 1 - written >= 2  # carried through at least 2 rewrites since
+
+
+def test_a_memory_less_agent_cannot_score_on_the_earlier_sub_questions():
+    world = make_synthetic_world(200, seed=4, comparison_fraction=0.0)
+    tasks = make_multi_objective_tasks(world.records, k=2, seed=0)
+    make = HotpotQAEnv.factory(corpus=world.corpus, max_turns=multi_objective_max_turns(2))
+    full = expert_trajectories(tasks, make)
+    for memory in ("none", "latest"):
+        forgetful = expert_trajectories(tasks, make, memory=memory)
+        assert [e.queries for e in forgetful] == [e.queries for e in full]  # the same searches
+        assert statistics.mean(e.info["sub_f1"][0] for e in forgetful) == 0.0  # the forgotten question
+        assert statistics.mean(e.info["sub_f1"][1] for e in forgetful) == 1.0  # the last one, still in view
+    assert statistics.mean(e.f1 for e in full) == 1.0
+
+
+def test_on_mixed_tasks_a_memory_less_agent_only_guesses_the_earlier_comparisons(world):
+    tasks = make_multi_objective_tasks(world.records, k=2, seed=2)
+    make = HotpotQAEnv.factory(corpus=world.corpus, max_turns=multi_objective_max_turns(2))
+    forgetful = expert_trajectories(tasks, make, memory="none")
+    earlier = [(t["sub_types"][0], e.info["sub_f1"][0]) for t, e in zip(tasks, forgetful, strict=True)]
+    assert all(f1 == 0.0 for kind, f1 in earlier if kind == "bridge")
+    comparisons = [f1 for kind, f1 in earlier if kind == "comparison"]
+    assert 0.2 < statistics.mean(comparisons) < 0.8  # a coin flip between the two named entities, or yes / no
+
+
+def test_a_k_question_task_needs_its_max_turns(world):
+    task = make_multi_objective_tasks(world.records, k=3, seed=0)[0]
+    short = play_episode(HotpotQAEnv.factory(corpus=world.corpus)(), task)  # the default max_turns is 6
+    assert short.info["end_reason"] == "max_turns" and short.f1 == 0.0
+    enough = play_episode(HotpotQAEnv.factory(corpus=world.corpus, max_turns=multi_objective_max_turns(3))(), task)
+    assert enough.info["end_reason"] == "answer" and enough.f1 == 1.0 and len(enough.steps) == 7

@@ -7,26 +7,48 @@ sentences it has found, copied verbatim, and acts:
 
 - bridge question: search the named entity, keep its fact (which names the bridge entity), search the bridge entity,
   keep its fact, answer;
-- comparison question: search the first entity, keep its fact, search the second, keep its fact, compare, answer.
+- comparison question: search the first entity, keep its fact, search the second, keep its fact, compare, answer;
+- multi-objective task (numbered sub-questions, `memopd_trl.envs.multi`): work through the sub-questions in order as
+  above, keeping every fact found so far, then answer all of them at once, joined by `" ; "`.
+
+A *forgetful* expert (`memory="latest"` or `"none"`) plays the same searches and answers in the same format, but its
+memory keeps only the latest fact found, or nothing: at the answer step it has forgotten the facts of earlier
+sub-questions and guesses those answers. It tells where it is in the task from its last query (which names the
+entity it searched), so it needs no memory to go on; a bridge entity is recognized by the fact that names it, in the
+memory or in the observation (which shows that passage too when `top_k >= 2`). When neither shows it, the forgetful
+expert has lost its place and answers what it has.
 """
 
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from ..metrics import MULTI_ANSWER_SEPARATOR
 from .base import ActionFormat, MemoryAgentEnv, parse_action
+from .multi import parse_sub_questions
 from .synthetic import QUESTION_ENTITY_KIND, SyntheticWorld, find_fact, parse_question
 
 
 NO_FACTS_MEMORY = "No facts yet."
+MEMORY_MODES = ("full", "latest", "none")
 # Words appended to a query that missed, per entity kind: the later, more specific tries.
 _RETRY_WORDS = {"film": ("film", "directed"), "company": ("company", "founded"), "person": ("born", "later lived")}
 
 
+class _Lookup(NamedTuple):
+    """One search of the expert's plan: the entity of sub-question `question` it looks for, and its fact if known."""
+
+    question: int
+    name: str
+    kind: str
+    fact: dict[str, str] | None
+
+
 class SyntheticExpert:
     """
-    Scripted policy for `make_synthetic_world` questions, reading only the chat messages an agent would see.
+    Scripted policy for `make_synthetic_world` questions (single or multi-objective), reading only the chat messages
+    an agent would see.
 
     Args:
         action_format (`ActionFormat` or `str`, *optional*, defaults to `ActionFormat()`):
@@ -34,6 +56,10 @@ class SyntheticExpert:
         retries (`int`, *optional*, defaults to `1`):
             How many times (0 to 2) a query that did not bring back the needed passage is tried again, with a word
             of the entity's passage added, before the expert gives up and answers a guess.
+        memory (`str`, *optional*, defaults to `"full"`):
+            What the expert keeps in its memory: `"full"`, every fact sentence found so far; `"latest"`, only the
+            latest fact found; `"none"`, nothing (`NO_FACTS_MEMORY`). The searches and the answer format are the
+            same in every mode; a forgetful expert guesses the answers whose facts it no longer has.
 
     Example:
 
@@ -46,13 +72,16 @@ class SyntheticExpert:
     ```
     """
 
-    def __init__(self, action_format: ActionFormat | str | None = None, retries: int = 1):
+    def __init__(self, action_format: ActionFormat | str | None = None, retries: int = 1, memory: str = "full"):
         if isinstance(action_format, str):
             action_format = ActionFormat.preset(action_format)
         self.action_format = action_format or ActionFormat()
         if not 0 <= retries <= 2:
             raise ValueError(f"`retries` must be 0, 1 or 2, got {retries}.")
+        if memory not in MEMORY_MODES:
+            raise ValueError(f"`memory` must be one of {MEMORY_MODES}, got {memory!r}.")
         self.retries = retries
+        self.memory = memory
 
     def __call__(self, messages: list[dict[str, str]]) -> str:
         return self.act(messages)
@@ -69,32 +98,63 @@ class SyntheticExpert:
             `str`: the action text, `<memory>...</memory>` then one `<search>` or `<answer>` block.
         """
         task, last_action, observation = _split_messages(messages)
-        parsed_question = parse_question(task)
-        if parsed_question is None:
-            raise ValueError(
-                "SyntheticExpert only plays synthetic-world questions; no known question template was found in the "
-                f"task message {task[:200]!r}."
-            )
-        template, entities = parsed_question
+        questions = _parse_task(task)
         previous = parse_action(last_action, self.action_format) if last_action is not None else None
         memory_text = previous.memory if previous is not None and previous.memory else ""
         last_query = previous.argument if previous is not None and previous.kind == "search" else None
         known = memory_text + "\n" + observation  # memory first: facts already kept win
 
-        needed = _needed_entities(template, entities, known)
-        facts = [fact for _, _, fact in needed if fact is not None]
-        memory = " ".join(f["sentence"] for f in facts) or NO_FACTS_MEMORY
-        missing = [(name, kind) for name, kind, fact in needed if fact is None]
-        if not missing:
-            return self.action_format.render_action(memory, "answer", _answer(template, entities, facts))
-        name, kind = missing[0]
-        tries = _query_tries(name, kind, self.retries)
+        plan = [
+            lookup for index, (template, entities) in enumerate(questions)
+            for lookup in _needed_entities(index, template, entities, known)
+        ]  # fmt: skip
+        start, latest = 0, None
+        if self.memory != "full" and last_query is not None:
+            # A forgetful expert cannot tell from its memory which sub-questions are done: its last query says.
+            searched = next(
+                (i for i, lookup in enumerate(plan) if last_query in _query_tries(lookup.name, lookup.kind, 2)), None
+            )
+            if searched is None:  # the entity it searched is unknown: it lost its place, and answers what it has
+                return self._render(self._memory(plan, None, memory_text), "answer", _answers(questions, plan))
+            latest = plan[searched].fact
+            start = searched if latest is None else searched + 1
+        memory = self._memory(plan, latest, memory_text)
+        missing = next((lookup for lookup in plan[start:] if lookup.fact is None), None)
+        if missing is None:
+            return self._render(memory, "answer", _answers(questions, plan))
+        tries = _query_tries(missing.name, missing.kind, self.retries)
         if last_query in tries:  # this entity was just searched and its passage did not come back
             position = tries.index(last_query)
             if position + 1 == len(tries):
-                return self.action_format.render_action(memory, "answer", _guess(template, entities, facts))
-            return self.action_format.render_action(memory, "search", tries[position + 1])
-        return self.action_format.render_action(memory, "search", tries[0])
+                return self._render(memory, "answer", _answers(questions, plan))
+            return self._render(memory, "search", tries[position + 1])
+        return self._render(memory, "search", tries[0])
+
+    def _memory(self, plan: list[_Lookup], latest: dict[str, str] | None, memory_text: str) -> str:
+        if self.memory == "full":
+            return " ".join(lookup.fact["sentence"] for lookup in plan if lookup.fact is not None) or NO_FACTS_MEMORY
+        if self.memory == "latest":
+            return latest["sentence"] if latest is not None else (memory_text or NO_FACTS_MEMORY)
+        return NO_FACTS_MEMORY
+
+    def _render(self, memory: str, kind: str, argument: str) -> str:
+        return self.action_format.render_action(memory or NO_FACTS_MEMORY, kind, argument)
+
+
+def _parse_task(task: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The task's questions as `(template, entities)`: one for a single question, k for a multi-objective task."""
+    sub_questions = parse_sub_questions(task)
+    texts = sub_questions or [task]
+    questions = []
+    for number, text in enumerate(texts, start=1):
+        parsed = parse_question(text)
+        if parsed is None:
+            where = f"sub-question {number} ({text[:200]!r})" if sub_questions else f"the task message {text[:200]!r}"
+            raise ValueError(
+                f"SyntheticExpert only plays synthetic-world questions; no known question template was found in {where}."
+            )
+        questions.append(parsed)
+    return questions
 
 
 def _split_messages(messages: list[dict[str, str]]) -> tuple[str, str | None, str]:
@@ -113,18 +173,16 @@ def _split_messages(messages: list[dict[str, str]]) -> tuple[str, str | None, st
     return task, messages[last]["content"], observation
 
 
-def _needed_entities(
-    template: str, entities: tuple[str, ...], known: str
-) -> list[tuple[str, str, dict[str, str] | None]]:
-    """The facts the question needs, in the order they are searched: `(name, kind, fact or None)`."""
+def _needed_entities(question: int, template: str, entities: tuple[str, ...], known: str) -> list[_Lookup]:
+    """The facts sub-question `question` needs, in the order they are searched (a bridge entity once it is known)."""
     kind = QUESTION_ENTITY_KIND[template]
     if len(entities) == 2:  # comparison: one fact per named entity
-        return [(name, kind, find_fact(kind, name, known)) for name in entities]
+        return [_Lookup(question, name, kind, find_fact(kind, name, known)) for name in entities]
     head = find_fact(kind, entities[0], known)
-    needed = [(entities[0], kind, head)]
+    needed = [_Lookup(question, entities[0], kind, head)]
     if head is not None:  # the bridge entity is named in the head entity's fact
         bridge = head["director"] if kind == "film" else head["founder"]
-        needed.append((bridge, "person", find_fact("person", bridge, known)))
+        needed.append(_Lookup(question, bridge, "person", find_fact("person", bridge, known)))
     return needed
 
 
@@ -132,7 +190,18 @@ def _query_tries(name: str, kind: str, retries: int) -> list[str]:
     return [name] + [f"{name} {word}" for word in _RETRY_WORDS[kind][:retries]]
 
 
-def _answer(template: str, entities: tuple[str, ...], facts: list[dict[str, str]]) -> str:
+def _answers(questions: list[tuple[str, tuple[str, ...]]], plan: list[_Lookup]) -> str:
+    """The answer of the task: each question's answer from its facts, or a guess when one is missing, joined."""
+    parts = []
+    for index, (template, entities) in enumerate(questions):
+        lookups = [lookup for lookup in plan if lookup.question == index]
+        facts = [lookup.fact for lookup in lookups if lookup.fact is not None]
+        complete = len(facts) == len(lookups) == (len(entities) if len(entities) == 2 else 2)
+        parts.append(_answer(template, facts) if complete else _guess(template, entities))
+    return MULTI_ANSWER_SEPARATOR.join(parts)
+
+
+def _answer(template: str, facts: list[dict[str, str]]) -> str:
     if template in ("director_birthplace", "founder_birthplace"):
         return facts[-1]["city"]
     if template == "director_occupation":
@@ -144,8 +213,8 @@ def _answer(template: str, entities: tuple[str, ...], facts: list[dict[str, str]
     return (earlier if template == "founded_first" else later)["name"]
 
 
-def _guess(template: str, entities: tuple[str, ...], facts: list[dict[str, str]]) -> str:
-    """An answer when a needed passage never came back: the right kind of string, rarely right."""
+def _guess(template: str, entities: tuple[str, ...]) -> str:
+    """An answer when a needed fact is missing (never found, or forgotten): the right kind of string, rarely right."""
     if template == "same_birthplace":
         return "no"
     if len(entities) == 2:
@@ -188,11 +257,24 @@ class ExpertEpisode:
         ]
 
 
+def _resolve_expert(expert: Any, memory: str | None, action_format: ActionFormat) -> Any:
+    """The policy to play: `expert`, or a `SyntheticExpert` with `memory` when it is `None`; they must agree."""
+    if expert is None:
+        return SyntheticExpert(action_format, memory=memory or "full")
+    if memory is not None and getattr(expert, "memory", None) != memory:
+        raise ValueError(
+            f"`memory={memory!r}` was given with a policy whose memory mode is {getattr(expert, 'memory', None)!r}; "
+            "pass one of them (e.g. SyntheticExpert(memory=...) alone)."
+        )
+    return expert
+
+
 def play_episode(
     env: MemoryAgentEnv,
     record: dict[str, Any],
-    policy: Callable[[list[dict[str, str]]], str],
+    policy: Callable[[list[dict[str, str]]], str] | None = None,
     explore: Callable[[str], str] | None = None,
+    memory: str | None = None,
 ) -> ExpertEpisode:
     """
     Play one episode of `policy` (a function from chat messages to action text) in `env`.
@@ -200,14 +282,21 @@ def play_episode(
     Args:
         env (`MemoryAgentEnv`): the environment (reset here).
         record (`dict`): the question.
-        policy (`Callable[[list[dict]], str]`): the labeler: its action in each state is what `steps` records.
+        policy (`Callable[[list[dict]], str]`, *optional*):
+            The labeler: its action in each state is what `steps` records. Defaults to a `SyntheticExpert` in the
+            environment's action format with memory mode `memory`.
         explore (`Callable[[str], str]`, *optional*):
             Maps the policy's action to the action actually played (e.g. [`make_mistake`]); the next state follows
             the played action while the step still records the policy's. `None` plays the policy's actions.
+        memory (`str`, *optional*):
+            The expert's memory mode (`"full"`, `"latest"`, `"none"`, see `SyntheticExpert`) when `policy` is not
+            given; when it is, it must be that policy's mode.
 
     Returns:
-        `ExpertEpisode`: the turns (messages and the policy's action), the queries played and the scores.
+        `ExpertEpisode`: the turns (messages and the policy's action), the queries played and the scores (with
+        `info["sub_f1"]` / `info["sub_em"]` on a multi-objective task).
     """
+    policy = _resolve_expert(policy, memory, env.action_format)
     messages = env.reset(record)
     steps, queries = [], []
     while not env.done:
@@ -224,6 +313,8 @@ def play_episode(
         "num_malformed": env.num_malformed,
         "num_retriever_errors": env.num_retriever_errors,
     }
+    if getattr(env, "sub_f1", None):
+        info["sub_f1"], info["sub_em"] = list(env.sub_f1), list(env.sub_em)
     return ExpertEpisode(record.get("_id", ""), steps, env.f1, env.em, env.reward, queries, info)
 
 
@@ -265,6 +356,7 @@ def expert_trajectories(
     min_f1: float | None = None,
     mistake_prob: float = 0.0,
     seed: int = 0,
+    memory: str | None = None,
 ) -> list[ExpertEpisode]:
     """
     Play the scripted expert on the world's questions: the traces a teacher is fine-tuned on.
@@ -286,6 +378,9 @@ def expert_trajectories(
             searches, a fact lost from memory), which clean expert play never visits. A teacher trained only on clean
             play is confidently wrong in those states, and on-policy distillation asks it about exactly them.
         seed (`int`, *optional*, defaults to `0`): seed of the mistakes.
+        memory (`str`, *optional*):
+            The expert's memory mode when `expert` is not given: `"full"` (the default), `"latest"` or `"none"` (a
+            forgetful expert, see `SyntheticExpert`); when `expert` is given, it must be that expert's mode.
 
     Returns:
         `list[ExpertEpisode]`: one per question played (and kept), in order.
@@ -294,7 +389,7 @@ def expert_trajectories(
     if limit is not None:
         records = records[:limit]
     env = env_factory()
-    expert = expert or SyntheticExpert(env.action_format)
+    expert = _resolve_expert(expert, memory, env.action_format)
     if not 0.0 <= mistake_prob <= 1.0:
         raise ValueError(f"`mistake_prob` must be in [0, 1], got {mistake_prob}.")
     rng = random.Random(seed)
