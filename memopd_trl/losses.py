@@ -11,20 +11,9 @@ below is the total number of sampled tokens in a batch.
 - [`ppo_clip_loss`], [`kl_penalty`], [`value_loss`]: the reinforcement-learning terms.
 - [`group_normalized_advantages`], [`gae_advantages`], [`broadcast_to_tokens`]: advantage estimators and helpers.
 
-Why a hand-written chunked function rather than TRL's `ChunkedDivergenceFunction` (measured on CPU, fp32, forward +
-backward of 2048 action tokens at 32k vocabulary; `docs/benchmarks.md`, section "Distillation loss memory"):
-
-- full logits: 3.8 GiB; TRL with its default tiles (4096 tokens x 32768 entries, module-level constants): 3.3 GiB;
-  TRL with small tiles (256 x 4096): about 0.3 GiB, but only by patching its module globals for the whole process, and
-  it was the slowest on CPU; `torch.utils.checkpoint` around each chunk's autograd graph: 0.55-2 GiB, since the
-  recomputed chunk keeps every intermediate;
-- this function: about 0.2-0.4 GiB at `chunk_size=256` and 0.6 GiB at 1024, and the fastest of all.
-
-It takes the token chunk as an argument, keeps the whole vocabulary in one tile (one LM-head matmul per model and one
-pass per chunk), saves only its inputs, and writes the student gradient in closed form in the backward pass, so the
-backward holds the same few tiles as the forward. Its memory grows with `chunk_size * vocab_size`, not with the number
-of tokens; at very large vocabularies TRL's vocabulary tiling can go lower (0.4 vs 0.8 GiB at 152k entries and a 256
-token chunk), which a second vocabulary-tiled pass could match here if it ever matters.
+[`chunked_generalized_jsd`] is this project's own rather than TRL's `ChunkedDivergenceFunction`: at 32k entries it
+needed less memory and time on CPU than TRL's with its default or patched tiles, and its token chunk is an argument
+rather than a module constant (measurements and command: docs/benchmarks.md, "Distillation loss memory").
 """
 
 import math
@@ -44,6 +33,7 @@ _KL_KINDS = ("k1", "k2", "k3")
 
 
 def _check_beta_temperature(beta: float, temperature: float, where: str) -> None:
+    # The loss functions are public and called directly; the trainer's values were checked by `MemOPDConfig`.
     if not 0.0 <= float(beta) <= 1.0:
         raise ValueError(
             f"{where}: `beta` must be in [0, 1] (0 = forward KL(teacher || student), 1 = reverse KL(student || "
@@ -271,6 +261,22 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def _log_prob_tiles(student_hidden, student_head, teacher_hidden, teacher_head, temperature: float, chunk_size: int):
+    """
+    For each chunk of `chunk_size` tokens: its rows (a `slice`) and the student's and the teacher's fp32
+    log-distributions `(chunk, vocab_size)` there. The tiles are made one chunk at a time and kept by no one here,
+    so a caller that drops them before the next chunk holds one pair at a time.
+    """
+    num_tokens = student_hidden.shape[0]
+    for start in range(0, num_tokens, chunk_size):
+        rows = slice(start, min(start + chunk_size, num_tokens))
+        yield (
+            rows,
+            _log_probs_tile(student_hidden[rows], *student_head, temperature),
+            _log_probs_tile(teacher_hidden[rows], *teacher_head, temperature),
+        )
+
+
 class _ChunkedGeneralizedJSD(torch.autograd.Function):
     """
     Per-token generalized JSD from hidden states and LM-head weights, one token chunk at a time.
@@ -302,11 +308,9 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
         with torch.autocast(student_hidden.device.type, enabled=False):
             student_head = _cast_head(student_weight, student_bias, student_dtype)  # (V, H_s), (V,)
             teacher_head = _cast_head(teacher_weight, teacher_bias, teacher_dtype)  # (V, H_t), (V,)
-            for start in range(0, num_tokens, chunk_size):
-                end = min(start + chunk_size, num_tokens)
-                student_log_probs = _log_probs_tile(student_hidden[start:end], *student_head, temperature)  # (c, V)
-                teacher_log_probs = _log_probs_tile(teacher_hidden[start:end], *teacher_head, temperature)  # (c, V)
-                divergence[start:end] = _tile_divergence(
+            tiles = _log_prob_tiles(student_hidden, student_head, teacher_hidden, teacher_head, temperature, chunk_size)
+            for rows, student_log_probs, teacher_log_probs in tiles:
+                divergence[rows] = _tile_divergence(
                     student_log_probs.to(tile_dtype), teacher_log_probs.to(tile_dtype), beta
                 )
                 del student_log_probs, teacher_log_probs
@@ -322,7 +326,6 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
         student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias = ctx.saved_tensors
         beta, temperature, chunk_size, student_dtype, teacher_dtype = ctx.settings
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
-        num_tokens = student_hidden.shape[0]
         # Accumulate in (at least) fp32 whatever the inputs' dtype.
         acc_dtype = torch.promote_types(student_dtype, torch.float32)
         grad_divergence = grad_divergence.to(acc_dtype)  # (N,)
@@ -334,20 +337,18 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
         with torch.autocast(student_hidden.device.type, enabled=False):
             student_head = _cast_head(student_weight, student_bias, student_dtype)  # (V, H_s), (V,)
             teacher_head = _cast_head(teacher_weight, teacher_bias, teacher_dtype)  # (V, H_t), (V,)
-            for start in range(0, num_tokens, chunk_size):
-                end = min(start + chunk_size, num_tokens)
-                student_log_probs = _log_probs_tile(student_hidden[start:end], *student_head, temperature)  # (c, V)
-                teacher_log_probs = _log_probs_tile(teacher_hidden[start:end], *teacher_head, temperature)  # (c, V)
+            tiles = _log_prob_tiles(student_hidden, student_head, teacher_hidden, teacher_head, temperature, chunk_size)
+            for rows, student_log_probs, teacher_log_probs in tiles:
                 teacher_log_probs = teacher_log_probs.to(student_log_probs.dtype)
                 grad_logits = _tile_grad_logits(student_log_probs, teacher_log_probs, beta)  # (chunk, V)
                 del student_log_probs, teacher_log_probs
                 # Chain rule: through the temperature scaling and the upstream gradient of each token.
-                grad_logits.mul_(grad_divergence[start:end, None] / temperature)
+                grad_logits.mul_(grad_divergence[rows, None] / temperature)
                 if grad_hidden is not None:
-                    grad_hidden[start:end] = grad_logits.to(student_dtype) @ student_head[0]  # (chunk, H_s)
+                    grad_hidden[rows] = grad_logits.to(student_dtype) @ student_head[0]  # (chunk, H_s)
                 if grad_weight is not None:
                     # In place, in the accumulation dtype: no (V, H_s) temporary per chunk.
-                    grad_weight.addmm_(grad_logits.t(), student_hidden[start:end].to(acc_dtype))
+                    grad_weight.addmm_(grad_logits.t(), student_hidden[rows].to(acc_dtype))
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(0)
                 del grad_logits
@@ -381,7 +382,7 @@ def chunked_generalized_jsd(
     stored. The gradient flows into the student side only (`student_hidden`, `student_weight`, `student_bias`, each
     when it requires grad); the teacher tensors are constants. The LM-head matmul runs in the weight's dtype (or the
     autocast dtype) like the model's own head; the softmax maths runs in fp32. Under DeepSpeed ZeRO-3 the LM-head
-    weights must be gathered by the caller.
+    weights must be gathered by the caller ([`~memopd_trl.scoring.gathered_lm_head`]).
 
     Args:
         student_hidden (`torch.Tensor` of shape `(num_tokens, student_hidden_size)`):
@@ -402,9 +403,8 @@ def chunked_generalized_jsd(
         teacher_bias (`torch.Tensor` of shape `(vocab_size,)`, *optional*, defaults to `None`):
             Teacher LM-head bias.
         chunk_size (`int`, *optional*, defaults to `1024`):
-            Tokens per chunk, `>= 1`. Peak memory is about four fp32 `(chunk_size, vocab_size)` tiles (512 MiB at
-            1024 x 32k) plus the student LM-head gradient, whatever `num_tokens`; lower it for large vocabularies
-            (e.g. 256 at 150k entries: about 600 MiB of tiles).
+            Tokens per chunk, `>= 1`. Peak memory is about four fp32 `(chunk_size, vocab_size)` tiles plus the student
+            LM-head gradient, whatever `num_tokens`; lower it for large vocabularies (measured in docs/benchmarks.md).
 
     Returns:
         `torch.Tensor` of shape `(num_tokens,)`, fp32 (fp64 for fp64 inputs): the divergence of each action token (an
@@ -424,29 +424,20 @@ def chunked_generalized_jsd(
     _check_beta_temperature(beta, temperature, where)
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{where}: `chunk_size` must be an integer >= 1, got {chunk_size!r}.")
-    for name, tensor in (
-        ("student_hidden", student_hidden),
-        ("student_weight", student_weight),
-        ("teacher_hidden", teacher_hidden),
-        ("teacher_weight", teacher_weight),
-    ):
-        if tensor.dim() != 2:
-            raise ValueError(f"{where}: `{name}` must be 2-D, got shape {tuple(tensor.shape)}.")
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
         raise ValueError(
             f"{where}: `student_hidden` has {student_hidden.shape[0]} tokens but `teacher_hidden` has "
             f"{teacher_hidden.shape[0]}; both must hold the same action positions in the same order."
         )
-    if student_hidden.shape[1] != student_weight.shape[1]:
-        raise ValueError(
-            f"{where}: `student_hidden` has hidden size {student_hidden.shape[1]} but `student_weight` expects "
-            f"{student_weight.shape[1]} (shape {tuple(student_weight.shape)})."
-        )
-    if teacher_hidden.shape[1] != teacher_weight.shape[1]:
-        raise ValueError(
-            f"{where}: `teacher_hidden` has hidden size {teacher_hidden.shape[1]} but `teacher_weight` expects "
-            f"{teacher_weight.shape[1]} (shape {tuple(teacher_weight.shape)})."
-        )
+    for role, hidden, weight in (("student", student_hidden, student_weight), ("teacher", teacher_hidden, teacher_weight)):
+        for name, tensor in ((f"{role}_hidden", hidden), (f"{role}_weight", weight)):
+            if tensor.dim() != 2:
+                raise ValueError(f"{where}: `{name}` must be 2-D, got shape {tuple(tensor.shape)}.")
+        if hidden.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"{where}: `{role}_hidden` has hidden size {hidden.shape[1]} but `{role}_weight` expects "
+                f"{weight.shape[1]} (shape {tuple(weight.shape)})."
+            )
     if student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(
             f"{where}: the student LM head has {student_weight.shape[0]} vocabulary entries but the teacher's has "

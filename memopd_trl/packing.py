@@ -1,7 +1,7 @@
 """Rebuild recorded invocations as independent sequences and lay them out in rows for one forward pass.
 
-Every invocation is rebuilt as its own sequence `input_ids + output_ids` with positions `0..len-1` (DESIGN invariants 2
-and 3). [`PackedInvocationCollator`] places whole sequences side by side in a few rows (first-fit decreasing), so the
+Every invocation is rebuilt as its own sequence `input_ids + output_ids` with positions `0..len-1` (invariants 2
+and 3 in docs/design.md). [`PackedInvocationCollator`] places whole sequences side by side in a few rows (first-fit decreasing), so the
 cost of a forward follows real tokens, not padding; [`PaddedInvocationCollator`] gives each sequence a row of its own,
 for comparison. With `history="persistent"` both build instead the control that a prior system used: each episode
 flattened into one growing sequence, so the scorer sees earlier observations the student never saw.
@@ -11,6 +11,7 @@ token order inside `output_ids` (the concatenation of every `inv.output_ids`). `
 token of the layout to its canonical index, so scores from two different layouts of the same invocations line up.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,32 +30,19 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     invocation_index: list[int] = field(default_factory=list)  # index into the input list, per token
     action_target_index: list[int] = field(default_factory=list)  # canonical action index, -1 off-action
-    old_logprobs: list[float] = field(default_factory=list)  # 0.0 off-action
-    advantages: list[float] = field(default_factory=list)  # 0.0 off-action
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def extend(
-        self,
-        token_ids: list[int],
-        invocation_index: int,
-        action_offset: int | None = None,
-        old_logprobs: list[float] | None = None,
-        advantages: list[float] | None = None,
-    ) -> None:
+    def extend(self, token_ids: list[int], invocation_index: int, action_offset: int | None = None) -> None:
         """Append a block of tokens; `action_offset` is the canonical index of its first token if it is an action."""
         n = len(token_ids)
         self.token_ids.extend(token_ids)
         self.invocation_index.extend([invocation_index] * n)
         if action_offset is None:
             self.action_target_index.extend([-1] * n)
-            self.old_logprobs.extend([0.0] * n)
-            self.advantages.extend([0.0] * n)
         else:
             self.action_target_index.extend(range(action_offset, action_offset + n))
-            self.old_logprobs.extend(old_logprobs if old_logprobs is not None else [0.0] * n)
-            self.advantages.extend(advantages if advantages is not None else [0.0] * n)
 
 
 def _invocation_name(inv: Invocation, index: int) -> str:
@@ -76,7 +64,7 @@ def _aligned_sequences(invocations: list[Invocation]) -> list[_Sequence]:
     for i, (inv, offset) in enumerate(zip(invocations, _canonical_offsets(invocations), strict=True)):
         seq = _Sequence(name=_invocation_name(inv, i))
         seq.extend(inv.input_ids, i)
-        seq.extend(inv.output_ids, i, offset, inv.logprobs, inv.advantages)
+        seq.extend(inv.output_ids, i, offset)
         sequences.append(seq)
     return sequences
 
@@ -105,7 +93,7 @@ def _persistent_sequences(invocations: list[Invocation]) -> list[_Sequence]:
         seq.extend(invocations[indices[0]].input_ids, indices[0])
         for k, i in enumerate(indices):
             inv = invocations[i]
-            seq.extend(inv.output_ids, i, offsets[i], inv.logprobs, inv.advantages)
+            seq.extend(inv.output_ids, i, offsets[i])
             if k == len(indices) - 1:
                 break
             if inv.observation_ids is None:
@@ -187,13 +175,7 @@ def _round_up(n: int, multiple: int | None) -> int:
 
 
 def _layout(
-    sequences: list[_Sequence],
-    rows: list[list[int]],
-    num_invocations: int,
-    pad_token_id: int,
-    pad_to_multiple_of: int | None,
-    with_logprobs: bool,
-    with_advantages: bool,
+    sequences: list[_Sequence], rows: list[list[int]], pad_token_id: int, pad_to_multiple_of: int | None
 ) -> tuple[dict[str, torch.Tensor | int | float], torch.Tensor]:
     """
     Write the sequences into `(rows, width)` tensors; the padding of each row is one more sequence at positions `0..`.
@@ -206,8 +188,6 @@ def _layout(
     position_ids = torch.zeros(shape, dtype=torch.long)  # (rows, width)
     invocation_index = torch.full(shape, -1, dtype=torch.long)  # (rows, width)
     action_target_index = torch.full(shape, -1, dtype=torch.long)  # (rows, width)
-    old_logprobs = torch.zeros(shape, dtype=torch.float32)  # (rows, width)
-    advantages = torch.zeros(shape, dtype=torch.float32)  # (rows, width)
     real = torch.zeros(shape, dtype=torch.bool)  # (rows, width)
 
     for r, row in enumerate(rows):
@@ -219,10 +199,6 @@ def _layout(
             position_ids[r, col:end] = torch.arange(len(seq))
             invocation_index[r, col:end] = torch.tensor(seq.invocation_index)
             action_target_index[r, col:end] = torch.tensor(seq.action_target_index)
-            if with_logprobs:
-                old_logprobs[r, col:end] = torch.tensor(seq.old_logprobs)
-            if with_advantages:
-                advantages[r, col:end] = torch.tensor(seq.advantages)
             real[r, col:end] = True
             col = end
         position_ids[r, col:] = torch.arange(width - col)
@@ -231,33 +207,49 @@ def _layout(
     batch = {
         "input_ids": input_ids,
         "position_ids": position_ids,
-        "action_mask": action_target_index >= 0,  # (rows, width)
         "invocation_index": invocation_index,
         "action_target_index": action_target_index,
-        "num_invocations": num_invocations,
         "num_action_tokens": int((action_target_index >= 0).sum()),
         "num_real_tokens": num_real_tokens,
         "fill": num_real_tokens / (len(rows) * width),
     }
-    if with_logprobs:
-        batch["old_logprobs"] = old_logprobs
-    if with_advantages:
-        batch["advantages"] = advantages
     return batch, real
 
 
-def _check_init(pad_token_id: int, max_model_length: int | None, history: str, pad_to_multiple_of: int | None):
-    if history not in _HISTORIES:
-        raise ValueError(f"`history` must be one of {_HISTORIES}, got {history!r}.")
-    if max_model_length is not None and max_model_length < 1:
-        raise ValueError(f"`max_model_length` must be a positive integer or None, got {max_model_length}.")
-    if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-        raise ValueError(f"`pad_to_multiple_of` must be a positive integer or None, got {pad_to_multiple_of}.")
-    if pad_token_id < 0:
-        raise ValueError(f"`pad_token_id` must be a valid (non-negative) token id, got {pad_token_id}.")
+class _InvocationCollator:
+    """What both collators share: their settings, and rebuilding the invocations as sequences that fit the model."""
+
+    def __init__(
+        self,
+        pad_token_id: int = 0,
+        max_model_length: int | None = None,
+        history: str = "aligned",
+        pad_to_multiple_of: int | None = None,
+    ):
+        if history not in _HISTORIES:
+            raise ValueError(f"`history` must be one of {_HISTORIES}, got {history!r}.")
+        if max_model_length is not None and max_model_length < 1:
+            raise ValueError(f"`max_model_length` must be a positive integer or None, got {max_model_length}.")
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"`pad_to_multiple_of` must be a positive integer or None, got {pad_to_multiple_of}.")
+        if pad_token_id < 0:
+            raise ValueError(f"`pad_token_id` must be a valid (non-negative) token id, got {pad_token_id}.")
+        self.pad_token_id = pad_token_id
+        self.max_model_length = max_model_length
+        self.history = history
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def _collate(
+        self, invocations: list[Invocation], rows_of: Callable[[list[_Sequence]], list[list[int]]]
+    ) -> tuple[dict[str, torch.Tensor | int | float], torch.Tensor]:
+        """Rebuild `invocations`, place them in the rows `rows_of(sequences)` gives, and lay the rows out."""
+        sequences = _build_sequences(invocations, self.history, self.max_model_length)
+        batch, real = _layout(sequences, rows_of(sequences), self.pad_token_id, self.pad_to_multiple_of)
+        batch["num_invocations"] = len(invocations)
+        return batch, real
 
 
-class PackedInvocationCollator:
+class PackedInvocationCollator(_InvocationCollator):
     """
     Collate invocations into padding-free rows: whole rebuilt invocations side by side, positions restarting at 0.
 
@@ -287,10 +279,8 @@ class PackedInvocationCollator:
     The returned dict holds (`rows` and `width` as laid out; `N` = total number of output tokens):
 
     - `input_ids`, `position_ids`, `invocation_index` (-1 on padding), `action_target_index` (canonical action index,
-      -1 elsewhere): `torch.LongTensor` of shape `(rows, width)`;
-    - `action_mask`: `torch.BoolTensor` of shape `(rows, width)`, True exactly on output tokens;
-    - `old_logprobs`, `advantages`: `torch.FloatTensor` of shape `(rows, width)` (0 off-action), only when every
-      invocation carries `logprobs` / `advantages`;
+      -1 elsewhere, so `action_target_index >= 0` is the action mask, True exactly on output tokens):
+      `torch.LongTensor` of shape `(rows, width)`;
     - `cu_seq_lens_q`, `cu_seq_lens_k`: `torch.IntTensor` of shape `(num_sequences + 1,)`, cumulative sequence
       lengths over the row-major *flattened* layout `(rows * width,)`, every sequence and every row padding counted;
       `max_length_q`, `max_length_k` (`int`). transformers' flash-attention path reshapes query/key/value to
@@ -322,25 +312,14 @@ class PackedInvocationCollator:
     ):
         if max_tokens_per_row < 1:
             raise ValueError(f"`max_tokens_per_row` must be a positive integer, got {max_tokens_per_row}.")
-        _check_init(pad_token_id, max_model_length, history, pad_to_multiple_of)
+        super().__init__(pad_token_id, max_model_length, history, pad_to_multiple_of)
         self.max_tokens_per_row = max_tokens_per_row
-        self.pad_token_id = pad_token_id
-        self.max_model_length = max_model_length
-        self.history = history
-        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def _rows(self, sequences: list[_Sequence]) -> list[list[int]]:
+        return first_fit_decreasing([len(seq) for seq in sequences], self.max_tokens_per_row)
 
     def __call__(self, invocations: list[Invocation]) -> dict[str, torch.Tensor | int | float]:
-        sequences = _build_sequences(invocations, self.history, self.max_model_length)
-        rows = first_fit_decreasing([len(seq) for seq in sequences], self.max_tokens_per_row)
-        batch, _ = _layout(
-            sequences,
-            rows,
-            num_invocations=len(invocations),
-            pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            with_logprobs=all(inv.logprobs is not None for inv in invocations),
-            with_advantages=all(inv.advantages is not None for inv in invocations),
-        )
+        batch, _ = self._collate(invocations, self._rows)
         # Every sequence (row padding included) starts where its position is 0; flash varlen kernels read the
         # flattened `(rows * width,)` layout, so the boundaries are flat offsets.
         flat_positions = batch["position_ids"].reshape(-1)  # (rows * width,)
@@ -352,7 +331,7 @@ class PackedInvocationCollator:
         return batch
 
 
-class PaddedInvocationCollator:
+class PaddedInvocationCollator(_InvocationCollator):
     """
     Collate invocations one per row with right padding and an `attention_mask` (the baseline that packing beats).
 
@@ -380,30 +359,8 @@ class PaddedInvocationCollator:
     ```
     """
 
-    def __init__(
-        self,
-        pad_token_id: int = 0,
-        max_model_length: int | None = None,
-        history: str = "aligned",
-        pad_to_multiple_of: int | None = None,
-    ):
-        _check_init(pad_token_id, max_model_length, history, pad_to_multiple_of)
-        self.pad_token_id = pad_token_id
-        self.max_model_length = max_model_length
-        self.history = history
-        self.pad_to_multiple_of = pad_to_multiple_of
-
     def __call__(self, invocations: list[Invocation]) -> dict[str, torch.Tensor | int | float]:
-        sequences = _build_sequences(invocations, self.history, self.max_model_length)
-        batch, real = _layout(
-            sequences,
-            [[s] for s in range(len(sequences))],
-            num_invocations=len(invocations),
-            pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            with_logprobs=all(inv.logprobs is not None for inv in invocations),
-            with_advantages=all(inv.advantages is not None for inv in invocations),
-        )
+        batch, real = self._collate(invocations, lambda sequences: [[s] for s in range(len(sequences))])
         rows, width = batch["input_ids"].shape
         batch["position_ids"] = torch.arange(width).expand(rows, width).clone()  # (rows, width)
         batch["attention_mask"] = real.long()  # (rows, width)

@@ -2,7 +2,7 @@
 
 These dataclasses are the contract between the rollout engine, the packing collator, the losses and the trainer.
 They hold token ids, never text to be re-tokenized, so that every later stage scores exactly what the student was
-conditioned on and sampled (DESIGN invariant 1, provenance).
+conditioned on and sampled (invariant 1, provenance, in docs/design.md).
 """
 
 from dataclasses import dataclass, field
@@ -30,8 +30,6 @@ class Invocation:
         observation_ids (`list[int]` or `None`, *optional*, defaults to `None`):
             Token ids that follow this action in a persistent (flattened) history: the end of the assistant turn, the
             next observation message and the next generation prompt. Used only by the persistent-history control.
-        advantages (`list[float]` or `None`, *optional*, defaults to `None`):
-            Per-output-token advantages, filled in by the trainer before packing.
         group_id (`int`, *optional*, defaults to `0`):
             Index of the question this episode answers; episodes with one `group_id` form a group.
 
@@ -52,7 +50,6 @@ class Invocation:
     turn: int = 0
     truncated: bool = False
     observation_ids: list[int] | None = None
-    advantages: list[float] | None = None
     group_id: int = 0
 
     def __post_init__(self):
@@ -64,11 +61,6 @@ class Invocation:
             raise ValueError(
                 f"Invocation (episode {self.episode_id}, turn {self.turn}): `logprobs` has {len(self.logprobs)} "
                 f"entries but `output_ids` has {len(self.output_ids)}; give one log-prob per sampled token."
-            )
-        if self.advantages is not None and len(self.advantages) != len(self.output_ids):
-            raise ValueError(
-                f"Invocation (episode {self.episode_id}, turn {self.turn}): `advantages` has {len(self.advantages)} "
-                f"entries but `output_ids` has {len(self.output_ids)}; give one advantage per sampled token."
             )
 
     @property
@@ -95,10 +87,9 @@ class Episode:
             The final answer, or `None` when the episode ended without one.
         reward (`float`, *optional*, defaults to `0.0`):
             The final task reward.
-        f1 (`float`, *optional*, defaults to `0.0`):
-            Answer F1 against the gold answer.
-        em (`float`, *optional*, defaults to `0.0`):
-            Answer exact match against the gold answer.
+        metrics (`dict[str, float]`, *optional*):
+            The environment's final scores, by name (for `HotpotQAEnv`: answer `f1` and `em` against the gold
+            answer); 0 for each when the episode ended without an answer. The trainer logs each one under its name.
         num_turns (`int`, *optional*, defaults to `0`):
             Number of agent turns played.
         num_malformed (`int`, *optional*, defaults to `0`):
@@ -115,9 +106,18 @@ class Episode:
     record_id: str = ""
     answer: str | None = None
     reward: float = 0.0
-    f1: float = 0.0
-    em: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
     num_turns: int = 0
     num_malformed: int = 0
     failed: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def f1(self) -> float:
+        """`metrics["f1"]` (0 when the environment reports no F1)."""
+        return self.metrics.get("f1", 0.0)
+
+    @property
+    def em(self) -> float:
+        """`metrics["em"]` (0 when the environment reports no exact match)."""
+        return self.metrics.get("em", 0.0)

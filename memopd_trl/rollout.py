@@ -5,7 +5,7 @@ policy), renders all of them with the tokenizer's chat template, generates one a
 call, and hands the decoded actions back to the environments. Each model call is recorded as an
 :class:`~memopd_trl.records.Invocation`: the exact token ids the model was conditioned on (padding removed, so their
 positions are `0..len-1`), the exact token ids it sampled (never re-tokenized from text) and their sampling
-log-probabilities. Later stages score exactly these tokens (DESIGN invariant 1, provenance).
+log-probabilities. Later stages score exactly these tokens (invariant 1, provenance, in docs/design.md).
 """
 
 import logging
@@ -67,6 +67,19 @@ class _LiveEpisode:
     closed: bool = False
     context_truncations: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+
+
+# The scores every `MemoryAgentEnv` keeps after its final step (`score()` returns at least these; they are 0 until
+# an answer is scored). An environment reports other or more scores with a `metrics` dict of its own.
+_ENV_SCORE_NAMES = ("f1", "em")
+
+
+def _final_metrics(env) -> dict[str, float]:
+    """The scalar final scores of an environment, by name: its `metrics` dict if it has one, else `f1` and `em`."""
+    metrics = getattr(env, "metrics", None)
+    if not isinstance(metrics, dict):
+        metrics = {name: getattr(env, name, 0.0) for name in _ENV_SCORE_NAMES}
+    return {name: float(value) for name, value in metrics.items() if isinstance(value, (int, float))}
 
 
 def _decoded_window(tokenizer, ids: Sequence[int], end: int, window: int) -> str:
@@ -257,6 +270,8 @@ class RolloutEngine:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}.")
         if max_prompt_length < 1:
             raise ValueError(f"`max_prompt_length` must be >= 1, got {max_prompt_length}.")
+        # Kept although `MemOPDConfig` checks it too: scripts build the engine directly, and 0 would divide the
+        # recorded logits by 0 (transformers' `generate` does not refuse it).
         if not temperature > 0:
             raise ValueError(f"`temperature` must be > 0 (use `greedy=True` for greedy decoding), got {temperature}.")
         if not 0 < top_p <= 1:
@@ -519,13 +534,13 @@ class RolloutEngine:
         for name in ("num_memory_cuts", "num_retriever_errors"):
             if hasattr(env, name):
                 episode.info[name] = getattr(env, name)
+        metrics = _final_metrics(env)
         if failed:
-            episode.answer, episode.reward, episode.f1, episode.em = None, 0.0, 0.0, 0.0
+            episode.answer, episode.reward, episode.metrics = None, 0.0, dict.fromkeys(metrics, 0.0)
         else:
             episode.answer = getattr(env, "answer", None)
             episode.reward = float(getattr(env, "reward", 0.0))
-            episode.f1 = float(getattr(env, "f1", 0.0))
-            episode.em = float(getattr(env, "em", 0.0))
+            episode.metrics = metrics
 
     def _fail(self, state: _LiveEpisode, reason: str, stats: dict, message: str) -> None:
         episode = state.episode

@@ -6,6 +6,8 @@ the layout it was computed on, so a teacher scored on one layout and a student s
 """
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.utils import is_peft_available
+from trl.trainer.utils import maybe_gather_lm_head_ctx, selective_log_softmax
 
 from .packing import gather_actions
 from .records import Invocation
@@ -286,6 +289,34 @@ def lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor |
     return head.weight, head.bias
 
 
+@contextmanager
+def gathered_lm_head(
+    model: torch.nn.Module, vocab_size: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    """
+    The LM-head weight and bias of `model` for a loss that reads them directly, cut to the tokenizer's vocabulary.
+
+    Under DeepSpeed ZeRO-3 the head's parameters are partitioned and only gathered inside the head's own forward, which
+    the chunked losses never call, so they are gathered here for as long as the context lasts (TRL's
+    `maybe_gather_lm_head_ctx`; a null context otherwise). Heads are often padded past the tokenizer (e.g. 151936 rows
+    for 151665 Qwen2.5 tokens): the extra rows are cut, so that teacher and student distributions cover the same ids.
+    The backward pass of the chunked losses reads the tensors they saved in the forward.
+
+    Args:
+        model (`torch.nn.Module`):
+            A causal LM, possibly wrapped (see [`lm_head_params`]).
+        vocab_size (`int`, *optional*):
+            Number of rows to keep (the tokenizer's length); all when `None`.
+
+    Returns:
+        A context manager giving `(weight, bias)`: `(vocab_size, hidden_size)` and `(vocab_size,)` or `None`.
+    """
+    weight, bias = lm_head_params(model)
+    with maybe_gather_lm_head_ctx(weight, bias):
+        rows = slice(None, vocab_size)
+        yield weight[rows], None if bias is None else bias[rows]
+
+
 def _scaled_logits(hidden: torch.Tensor, weight, bias, logit_scale, softcap, temperature) -> torch.Tensor:
     """fp32 logits `(n, vocab_size)` of `hidden` `(n, hidden_size)`, with the model's own logit transforms."""
     logits = F.linear(hidden, weight, bias).float()  # (n, vocab_size)
@@ -297,7 +328,13 @@ def _scaled_logits(hidden: torch.Tensor, weight, bias, logit_scale, softcap, tem
 
 
 def _chunk_logprobs(hidden, targets, weight, bias, *, logit_scale, softcap, temperature, with_entropy):
-    """Log-probs `(n,)` of `targets` and optionally the entropy `(n,)`, from one chunk of hidden states."""
+    """
+    Log-probs `(n,)` of `targets` and optionally the entropy `(n,)`, from one chunk of hidden states.
+
+    Not TRL's `selective_log_softmax` + `entropy_from_logits`: one log-softmax here feeds both outputs (those make two
+    passes over the `(n, vocab_size)` tile on CPU), and it is the operation the rollout records its log-probs with, so
+    the first PPO ratio of a rollout is 1 up to forward noise (TRL's log-sum-exp form differs by ~2e-6).
+    """
     log_probs = _scaled_logits(hidden, weight, bias, logit_scale, softcap, temperature).log_softmax(-1)  # (n, V)
     token_log_probs = log_probs.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
     if not with_entropy:
@@ -359,8 +396,6 @@ def action_logprobs_from_hidden(
     """
     if chunk_size < 1:
         raise ValueError(f"`chunk_size` must be a positive integer, got {chunk_size}.")
-    if temperature <= 0:
-        raise ValueError(f"`temperature` must be positive, got {temperature}.")
     if hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"`hidden` has {hidden.shape[0]} rows but `targets` has {targets.shape[0]}; give one each.")
     chunk_fn = functools.partial(
@@ -428,13 +463,7 @@ def action_log_distributions(model: torch.nn.Module, batch: dict, temperature: f
     """
     Full-vocabulary log-softmax at every action position (no gradients; for tests, inspection and small batches).
 
-    Args:
-        model (`torch.nn.Module`):
-            A causal LM, possibly wrapped (see [`packed_hidden_states`]).
-        batch (`dict`):
-            Output of a collator of [`memopd_trl.packing`], on the model's device.
-        temperature (`float`, *optional*, defaults to `1.0`):
-            The logits are divided by it before the softmax.
+    Takes `model`, `batch` and `temperature` as [`action_logprobs`] does.
 
     Returns:
         `torch.FloatTensor` of shape `(N, vocab_size)`: log-probabilities of every token at each action position.
@@ -479,9 +508,10 @@ def full_logits_action_logprobs(
         logits = model(input_ids=ids).logits[0].float()  # (seq_len, vocab_size)
         # The logits at the last input token and at every output token but the last predict the output tokens.
         start = len(inv.input_ids) - 1
-        dist = (logits[start : start + len(inv.output_ids)] / temperature).log_softmax(-1)  # (num_outputs, V)
-        log_probs.append(dist.gather(-1, ids[0, start + 1 :, None]).squeeze(-1))
-        distributions.append(dist)
+        action_logits = logits[start : start + len(inv.output_ids)]  # (num_outputs, vocab_size)
+        log_probs.append(selective_log_softmax(action_logits, ids[0, start + 1 :], temperature=temperature))
+        if return_distributions:
+            distributions.append((action_logits / temperature).log_softmax(-1))
     if not log_probs:
         empty = torch.zeros(0, device=device)
         return (empty, empty.view(0, _unwrap(model).config.vocab_size)) if return_distributions else empty

@@ -1,28 +1,37 @@
 """`MemOPDTrainer`: Memory-Aligned On-Policy Distillation of a memory agent, on top of TRL's trainer base.
 
-One training step, top to bottom (see `_rollout_and_score` and `_student_loss`):
+One training step, top to bottom (`_prepare_inputs`, then `compute_loss`):
 
-1. rollout: the student plays `num_generations` episodes per question, every model call recorded as token ids;
-2. advantages: group-normalized final reward (or GAE with a value head), broadcast to every action token;
-3. pack: each invocation rebuilt as its own sequence, whole invocations packed into rows;
-4. teacher scoring (no grad): the teacher's hidden states at every action position, in the exact context the student
-   sampled it in (`teacher_scoring="aligned"`), or under the flattened history (`"persistent"`, the control);
-5. student forward on the same packed rows, then
+1. rollout (`_rollout`): the student plays `num_generations` episodes per question, every model call recorded as
+   token ids;
+2. pack (`_score`): each invocation rebuilt as its own sequence, whole invocations packed into rows;
+3. advantages (`_compute_advantages`): group-normalized final reward, or GAE with a value head that scores the packed
+   rows, one per action token;
+4. teacher scoring (`_score`, no grad): the teacher's hidden states at every action position, in the exact context the
+   student sampled it in (`teacher_scoring="aligned"`), or under the flattened history (`"persistent"`, the control);
+   and the reference model's log-probs when `kl_coef > 0`;
+5. student forward on the same packed rows (`_student_loss`), then
    `loss = distill_coef * GJSD(teacher || student) + ppo_coef * PPO-clip (+ kl_coef * KL + vf_coef * value loss)`.
+
+With `num_iterations > 1` steps 1-4 run once per rollout batch and the following updates reuse it. An update that
+has nothing to learn from, or a non-finite loss, is skipped on every process (`_UpdateSkipper`).
 
 The trainer orchestrates; the maths lives in `losses.py`, the packing in `packing.py`, the forwards in `scoring.py`.
 """
 
+import functools
 import os
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object, send_to_device
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -32,7 +41,13 @@ from transformers.utils import is_peft_available
 from trl.import_utils import is_vllm_available
 from trl.models.utils import _ForwardRedirection, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
-from trl.trainer.utils import RepeatSampler, disable_dropout_in_model
+from trl.trainer.utils import (
+    RepeatSampler,
+    create_model_from_path,
+    disable_dropout_in_model,
+    identity,
+    use_adapter,
+)
 
 from .config import MemOPDConfig
 from .losses import (
@@ -45,9 +60,9 @@ from .losses import (
     value_loss,
 )
 from .packing import PackedInvocationCollator
-from .records import Episode
+from .records import Episode, Invocation
 from .rollout import RolloutEngine
-from .scoring import action_hidden_states, action_logprobs_from_hidden, action_token_ids, lm_head_params
+from .scoring import action_hidden_states, action_logprobs_from_hidden, action_token_ids, gathered_lm_head
 
 
 if is_peft_available():
@@ -67,10 +82,6 @@ _PAPER = {
 
 
 VALUE_HEAD_FILE = "value_head.safetensors"
-
-
-def _identity_collator(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return records
 
 
 class MemOPDTrainer(_BaseTrainer):
@@ -157,7 +168,7 @@ class MemOPDTrainer(_BaseTrainer):
 
         # Student and tokenizer
         if isinstance(model, str):
-            model = self._load_model(model, args.model_init_kwargs, args.attn_implementation, args)
+            model = _load_model(model, args.model_init_kwargs, args.attn_implementation, args)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
         if processing_class.pad_token is None:
@@ -185,7 +196,7 @@ class MemOPDTrainer(_BaseTrainer):
                 teacher_processing_class = AutoTokenizer.from_pretrained(
                     teacher_model, trust_remote_code=args.trust_remote_code
                 )
-            teacher_model = self._load_model(
+            teacher_model = _load_model(
                 teacher_model,
                 args.teacher_model_init_kwargs,
                 args.teacher_attn_implementation or args.attn_implementation,
@@ -205,13 +216,11 @@ class MemOPDTrainer(_BaseTrainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._buffers: dict[int, dict[str, Any]] = {}  # rollout batch of each gradient-accumulation slot
         self._micro_step: int | None = None
-        self._skip_update = False
-        self.num_skipped_updates = 0
 
         super().__init__(
             model=model,
             args=args,
-            data_collator=_identity_collator,
+            data_collator=identity,  # the records go to the rollout as they are
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
@@ -219,6 +228,8 @@ class MemOPDTrainer(_BaseTrainer):
             optimizers=optimizers,
         )
         self._forward_redirection = _ForwardRedirection()
+        self._update_skipper = _UpdateSkipper(self)
+        self.add_callback(self._update_skipper)
 
         self.teacher_model = None
         if teacher_model is not None:
@@ -288,16 +299,6 @@ class MemOPDTrainer(_BaseTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Set-up helpers
     # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _load_model(name: str, init_kwargs: dict | None, attn_implementation: str, args: MemOPDConfig):
-        kwargs = dict(init_kwargs or {})
-        kwargs.setdefault("attn_implementation", attn_implementation)
-        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-        kwargs.setdefault("use_safetensors", True)
-        if isinstance(kwargs.get("dtype"), str) and kwargs["dtype"] != "auto":
-            kwargs["dtype"] = getattr(torch, kwargs["dtype"])
-        return AutoModelForCausalLM.from_pretrained(name, **kwargs)
-
     def _load_reference(self, student: PreTrainedModel) -> nn.Module:
         reference = AutoModelForCausalLM.from_config(
             student.config, attn_implementation=student.config._attn_implementation, dtype=student.dtype
@@ -305,6 +306,11 @@ class MemOPDTrainer(_BaseTrainer):
         reference.load_state_dict(student.state_dict())
         reference.requires_grad_(False)
         return self.accelerator.prepare_model(reference.eval(), evaluation_mode=True)
+
+    @property
+    def num_skipped_updates(self) -> int:
+        """Optimizer updates skipped so far (see `_UpdateSkipper`)."""
+        return self._update_skipper.num_skipped
 
     def _get_train_sampler(self, train_dataset=None) -> torch.utils.data.Sampler:
         # The questions of one optimizer step (all processes, all gradient-accumulation micro-batches) are yielded
@@ -325,18 +331,6 @@ class MemOPDTrainer(_BaseTrainer):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
         if self.value_head is not None:
             optimizer.add_param_group({"params": list(self.value_head.parameters()), "weight_decay": 0.0})
-        step = optimizer.step
-
-        def step_unless_skipped(*args, **kwargs):
-            # A non-finite loss on any process skips the whole update everywhere (gradients are all-reduced).
-            skip = torch.tensor(float(self._skip_update), device=self.accelerator.device)
-            self._skip_update = False
-            if self.accelerator.reduce(skip, reduction="sum").item() > 0:
-                optimizer.zero_grad(set_to_none=True)
-                return None
-            return step(*args, **kwargs)
-
-        optimizer.step = step_unless_skipped
         return optimizer
 
     # ------------------------------------------------------------------------------------------------------------
@@ -349,90 +343,115 @@ class MemOPDTrainer(_BaseTrainer):
         slot = self._micro_step % accumulation
         first_update_of_round = (self._micro_step // accumulation) % self.args.num_iterations == 0
         if first_update_of_round or slot not in self._buffers:
-            self._buffers[slot] = self._rollout_and_score(records)
+            rollout = self._rollout(records)  # 1. play episodes
+            self._buffers[slot] = self._score(rollout)  # 2-4. pack, advantages, teacher and reference scoring
+            self._log_rollout(rollout, self._buffers[slot])
         self._micro_step += 1
         return self._buffers[slot]
 
-    def _rollout_and_score(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        args, device = self.args, self.accelerator.device
-        timings = {}
-
-        # 1. rollout: sampled episodes, every model call recorded as token ids
+    def _rollout(self, records: list[dict[str, Any]]) -> "_Rollout":
+        """Step 1: the student plays `num_generations` sampled episodes per record, every model call recorded."""
         start = time.perf_counter()
-        episodes, rollout_stats = self._play(records, greedy=False)
-        timings["rollout"] = time.perf_counter() - start
-        invocations = [inv for ep in episodes for inv in ep.invocations]
+        episodes, stats = self._play(records, greedy=False)
+        return _Rollout(episodes, stats, {"rollout": time.perf_counter() - start})
+
+    def _score(self, rollout: "_Rollout") -> dict[str, Any]:
+        """
+        Steps 2-4 on one rollout: pack the invocations, compute the advantages, score the actions with the teacher
+        (and the reference model for the KL term). Returns the inputs of `compute_loss`; their per-token tensors are
+        `(N,)`, in the canonical action order of the packed batch.
+        """
+        args, device = self.args, self.accelerator.device
+        invocations = rollout.invocations
         if not invocations:
             # Every episode failed before its first model call (e.g. prompts that cannot fit): nothing to learn from.
-            warnings.warn(
-                f"No episode of this batch reached a model call ({rollout_stats}); the update is skipped.", stacklevel=2
-            )
-            return {"empty": True}
+            return {"skip_reason": f"No episode of this batch reached a model call ({rollout.stats})"}
 
         # 2. pack: every invocation rebuilt as its own sequence, whole invocations packed into rows
-        student_batch = _to_device(self.collator(invocations), device)
-        tokens_per_episode = [sum(len(inv.output_ids) for inv in ep.invocations) for ep in episodes]
-        sequence_ids = torch.repeat_interleave(
-            torch.arange(len(invocations)), torch.tensor([len(inv.output_ids) for inv in invocations])
-        ).to(device)  # (N,)
-        old_logprobs = torch.tensor(
-            [lp for inv in invocations for lp in inv.logprobs], dtype=torch.float32, device=device
-        )  # (N,)
+        student_batch = send_to_device(self.collator(invocations), device)
+        batch: dict[str, Any] = {
+            "student_batch": student_batch,
+            "sequence_ids": torch.repeat_interleave(
+                torch.arange(len(invocations)), torch.tensor([len(inv.output_ids) for inv in invocations])
+            ).to(device),  # (N,)
+            "old_logprobs": torch.tensor(
+                [lp for inv in invocations for lp in inv.logprobs], dtype=torch.float32, device=device
+            ),  # (N,)
+        }
 
-        # 3. advantages, one per action token in canonical order
-        rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)
-        batch: dict[str, Any] = {"student_batch": student_batch, "old_logprobs": old_logprobs}
-        if args.advantage_estimator == "group":
-            group_ids = torch.tensor([ep.group_id for ep in episodes])
-            advantages = group_normalized_advantages(rewards, group_ids, scale=args.scale_rewards)
-            batch["advantages"] = broadcast_to_tokens(advantages, tokens_per_episode).to(device)
-        else:
-            with torch.no_grad():
-                hidden = action_hidden_states(self.accelerator.unwrap_model(self.model), student_batch)
-                values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float().cpu()
-            token_rewards = torch.zeros_like(values)
-            ends = torch.tensor(tokens_per_episode).cumsum(0) - 1
-            has_tokens = torch.tensor(tokens_per_episode) > 0
-            token_rewards[ends[has_tokens]] = rewards[has_tokens]
-            episode_advantages, episode_returns = [], []
-            for chunk_rewards, chunk_values in zip(
-                token_rewards.split(tokens_per_episode), values.split(tokens_per_episode), strict=True
-            ):
-                adv, ret = gae_advantages(chunk_rewards, chunk_values, gamma=args.gamma, lam=args.lam)
-                episode_advantages.append(adv)
-                episode_returns.append(ret)
-            batch["advantages"] = torch.cat(episode_advantages).to(device)
-            batch["returns"] = torch.cat(episode_returns).to(device)
-            batch["old_values"] = values.to(device)
-        batch["sequence_ids"] = sequence_ids
+        # 3. advantages, one per action token
+        batch.update(self._compute_advantages(rollout.episodes, student_batch))
 
         # 4. teacher scoring: hidden states at every action position, aligned (same rows) or persistent history
         start = time.perf_counter()
         if self.teacher_model is not None and args.distill_coef > 0:
             teacher_batch = student_batch
             if args.teacher_scoring == "persistent":
-                teacher_batch = _to_device(self.teacher_collator(invocations), device)
+                teacher_batch = send_to_device(self.teacher_collator(invocations), device)
             with torch.no_grad():
                 teacher = self.accelerator.unwrap_model(self.teacher_model)
                 batch["teacher_hidden"] = action_hidden_states(teacher, teacher_batch)  # (N, H_teacher)
+        rollout.seconds["teacher"] = time.perf_counter() - start
         if args.kl_coef > 0:
-            with torch.no_grad(), self._reference_context() as reference:
-                ref_hidden = action_hidden_states(reference, student_batch)
-                weight, bias = lm_head_params(reference)
-                batch["ref_logprobs"] = action_logprobs_from_hidden(
-                    ref_hidden, weight[: self.vocab_size], None if bias is None else bias[: self.vocab_size],
-                    action_token_ids(student_batch), temperature=args.temperature, chunk_size=args.logit_chunk_size,
-                )[0]
-        timings["teacher"] = time.perf_counter() - start
-
-        self._log_rollout(episodes, invocations, rollout_stats, student_batch, timings)
+            start = time.perf_counter()
+            with torch.no_grad(), self._reference_model() as reference:
+                ref_hidden = action_hidden_states(reference, student_batch)  # (N, H)
+                with gathered_lm_head(reference, self.vocab_size) as (weight, bias):
+                    batch["ref_logprobs"] = action_logprobs_from_hidden(
+                        ref_hidden,
+                        weight,
+                        bias,
+                        action_token_ids(student_batch),
+                        temperature=args.temperature,
+                        chunk_size=args.logit_chunk_size,
+                    )[0]  # (N,)
+            rollout.seconds["reference"] = time.perf_counter() - start
         return batch
 
-    def _reference_context(self):
+    def _compute_advantages(self, episodes: list[Episode], student_batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """
+        Step 3: the advantage of every action token, `(N,)` in canonical order (episode by episode, then invocation
+        and token order), from the episodes' final rewards.
+
+        - `"group"`: each episode's reward normalized within its group (the episodes of one question), on all its
+          tokens.
+        - `"gae"`: the value head scores every action token; the episodes, padded to one `(num_episodes, T)` batch with
+          the final reward on each one's last token, go through `gae_advantages` at once. Also returns the `returns`
+          (value targets) and `old_values` (the values now, for the clipped value loss).
+        """
+        args, device = self.args, self.accelerator.device
+        rewards = torch.tensor([ep.reward for ep in episodes], dtype=torch.float32)  # (E,)
+        tokens_per_episode = torch.tensor([sum(len(inv.output_ids) for inv in ep.invocations) for ep in episodes])
+        if args.advantage_estimator == "group":
+            group_ids = torch.tensor([ep.group_id for ep in episodes])
+            advantages = group_normalized_advantages(rewards, group_ids, scale=args.scale_rewards)  # (E,)
+            return {"advantages": broadcast_to_tokens(advantages, tokens_per_episode).to(device)}
+
+        with torch.no_grad():
+            hidden = action_hidden_states(self.accelerator.unwrap_model(self.model), student_batch)  # (N, H)
+            values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float().cpu()  # (N,)
+        width = int(tokens_per_episode.max())
+        mask = torch.arange(width) < tokens_per_episode[:, None]  # (E, T): the action tokens of each episode
+        padded_values = torch.zeros(mask.shape).masked_scatter(mask, values)  # (E, T)
+        last_token = (tokens_per_episode - 1).clamp(min=0)
+        token_rewards = torch.zeros(mask.shape)  # (E, T): the final reward on each episode's last action token
+        token_rewards[torch.arange(len(episodes)), last_token] = torch.where(tokens_per_episode > 0, rewards, 0.0)
+        advantages, returns = gae_advantages(token_rewards, padded_values, gamma=args.gamma, lam=args.lam, mask=mask)
+        return {
+            "advantages": advantages[mask].to(device),  # (N,): row-major order over the mask is canonical order
+            "returns": returns[mask].to(device),  # (N,)
+            "old_values": values.to(device),  # (N,)
+        }
+
+    @contextmanager
+    def _reference_model(self) -> Iterator[nn.Module]:
+        """The model of the KL term: the frozen copy of the student's start, or a PEFT student with its adapters off."""
         if self.ref_model is not None:
-            return nullcontext(self.accelerator.unwrap_model(self.ref_model))
+            yield self.accelerator.unwrap_model(self.ref_model)
+            return
         student = self.accelerator.unwrap_model(self.model)
-        return _DisabledAdapters(student)
+        with use_adapter(student, adapter_name=None):
+            yield student
 
     def _play(self, records: list[dict[str, Any]], greedy: bool) -> tuple[list[Episode], dict[str, float]]:
         """
@@ -486,51 +505,71 @@ class MemOPDTrainer(_BaseTrainer):
         if return_outputs:
             raise ValueError("MemOPDTrainer does not return model outputs from `compute_loss`.")
         start = time.perf_counter()
-        unwrapped = self.accelerator.unwrap_model(model)
-        if inputs.get("empty"):
-            self.num_skipped_updates += 1
-            self._skip_update = True
-            self._metrics["train"]["skipped_updates"].append(float(self.num_skipped_updates))
-            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-        # Route the student forward through the wrapper (DDP/FSDP) so gradient synchronization hooks fire.
-        loss = self._forward_redirection(model, unwrapped, self._student_loss, unwrapped, inputs)
-        self._metrics["train"]["time/actor"].append(time.perf_counter() - start)
-        return loss
+        reason = inputs.get("skip_reason")
+        if reason is None:
+            unwrapped = self.accelerator.unwrap_model(model)
+            # Route the student forward through the wrapper (DDP/FSDP) so gradient synchronization hooks fire.
+            loss = self._forward_redirection(model, unwrapped, self._student_loss, unwrapped, inputs)
+            self._metrics["train"]["time/actor"].append(time.perf_counter() - start)
+            if torch.isfinite(loss):
+                return loss
+            # A NaN/inf (teacher or student log-probs, an overflow) would poison the weights.
+            reason = f"Non-finite loss ({loss.item()})"
+        self._update_skipper.request(f"{reason} at step {self.state.global_step}")
+        # The update is skipped, but this process still runs a backward pass: its gradients are all-reduced with the
+        # other processes' (DDP), whose batches may be fine. A zero loss that sums over every trained parameter gives
+        # each of them a (zero) gradient, so DDP's reducer sees a gradient for every parameter and this process joins
+        # the same all-reduce as the others instead of leaving them waiting.
+        return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
 
     def _student_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """Step 5: the student forward on the packed rows and the loss, from the inputs `_score` made."""
         args = self.args
         batch = inputs["student_batch"]
         hidden = action_hidden_states(model, batch)  # (N, H)
-        weight, bias = lm_head_params(model)
-        weight = weight[: self.vocab_size]
-        bias = None if bias is None else bias[: self.vocab_size]
-        logprobs, entropy = action_logprobs_from_hidden(
-            hidden, weight, bias, action_token_ids(batch), temperature=args.temperature,
-            chunk_size=args.logit_chunk_size, return_entropy=True,
-        )  # (N,), (N,)
-
-        loss = hidden.new_zeros(())
         metrics = self._metrics["train"]
-        if args.ppo_coef > 0:
-            ppo, stats = ppo_clip_loss(
-                logprobs, inputs["old_logprobs"], inputs["advantages"], epsilon=args.epsilon,
-                epsilon_high=args.epsilon_high, sequence_ids=inputs["sequence_ids"], aggregation=args.loss_aggregation,
-            )
-            loss = loss + args.ppo_coef * ppo
-            metrics["loss/ppo"].append(ppo.item())
-            metrics["clip_fraction"].append(float(stats["clip_fraction"]))
-            metrics["approx_kl_old"].append(float(stats["approx_kl"]))
-        if "teacher_hidden" in inputs:
-            teacher = self.accelerator.unwrap_model(self.teacher_model)
-            t_weight, t_bias = lm_head_params(teacher)
-            divergence = chunked_generalized_jsd(
-                hidden, weight, inputs["teacher_hidden"], t_weight[: self.vocab_size],
-                beta=args.beta, temperature=args.distill_temperature, student_bias=bias,
-                teacher_bias=None if t_bias is None else t_bias[: self.vocab_size], chunk_size=args.logit_chunk_size,
-            )  # (N,)
-            distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
-            loss = loss + args.distill_coef * distill
-            metrics["loss/distill"].append(distill.item())
+        with gathered_lm_head(model, self.vocab_size) as (weight, bias):
+            logprobs, entropy = action_logprobs_from_hidden(
+                hidden,
+                weight,
+                bias,
+                action_token_ids(batch),
+                temperature=args.temperature,
+                chunk_size=args.logit_chunk_size,
+                return_entropy=True,
+            )  # (N,), (N,)
+            loss = hidden.new_zeros(())
+            if args.ppo_coef > 0:
+                ppo, stats = ppo_clip_loss(
+                    logprobs,
+                    inputs["old_logprobs"],
+                    inputs["advantages"],
+                    epsilon=args.epsilon,
+                    epsilon_high=args.epsilon_high,
+                    sequence_ids=inputs["sequence_ids"],
+                    aggregation=args.loss_aggregation,
+                )
+                loss = loss + args.ppo_coef * ppo
+                metrics["loss/ppo"].append(ppo.item())
+                metrics["clip_fraction"].append(float(stats["clip_fraction"]))
+                metrics["approx_kl_old"].append(float(stats["approx_kl"]))
+            if "teacher_hidden" in inputs:
+                teacher = self.accelerator.unwrap_model(self.teacher_model)
+                with gathered_lm_head(teacher, self.vocab_size) as (teacher_weight, teacher_bias):
+                    divergence = chunked_generalized_jsd(
+                        hidden,
+                        weight,
+                        inputs["teacher_hidden"],
+                        teacher_weight,
+                        beta=args.beta,
+                        temperature=args.distill_temperature,
+                        student_bias=bias,
+                        teacher_bias=teacher_bias,
+                        chunk_size=args.logit_chunk_size,
+                    )  # (N,)
+                distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
+                loss = loss + args.distill_coef * distill
+                metrics["loss/distill"].append(distill.item())
         if "ref_logprobs" in inputs:
             kl = kl_penalty(logprobs, inputs["ref_logprobs"]).mean()
             loss = loss + args.kl_coef * kl
@@ -541,52 +580,57 @@ class MemOPDTrainer(_BaseTrainer):
             loss = loss + args.vf_coef * v_loss
             metrics["loss/value"].append(v_loss.item())
         metrics["entropy"].append(entropy.mean().item() if entropy.numel() else 0.0)
-
-        metrics["skipped_updates"].append(float(self.num_skipped_updates))
-        if not torch.isfinite(loss):
-            # A NaN/inf (teacher or student log-probs, an overflow) would poison the weights: the optimizer step of
-            # this update is skipped (see `create_optimizer`), counted and reported; training goes on.
-            self.num_skipped_updates += 1
-            self._skip_update = True
-            metrics["skipped_updates"][-1] = float(self.num_skipped_updates)
-            warnings.warn(
-                f"Non-finite loss ({loss.item()}) at step {self.state.global_step}: this update is skipped "
-                f"({self.num_skipped_updates} skipped so far).",
-                stacklevel=2,
-            )
-            return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
         return loss
 
     # ------------------------------------------------------------------------------------------------------------
     # Logging, evaluation, model card
     # ------------------------------------------------------------------------------------------------------------
-    def _log_rollout(self, episodes, invocations, rollout_stats, batch, timings):
+    def _episode_table(self, episodes: list[Episode]) -> tuple[list[str], torch.Tensor]:
+        """
+        The statistics of `episodes`, one row each, `(num_episodes, len(names))` on this process, and their names:
+        `reward`, the environment's metrics (`Episode.metrics`, e.g. `f1`, `em`, in name order), `turns`,
+        `malformed_actions`, `failed_episodes`.
+
+        Collective: every process calls it, with any number of episodes (even none), and gets the same names.
+        """
+        local_names = sorted({name for ep in episodes for name in ep.metrics})
+        metric_names = sorted(set().union(*gather_object([local_names])))
+        names = ["reward", *metric_names, "turns", "malformed_actions", "failed_episodes"]
+        rows = [
+            [ep.reward, *(ep.metrics.get(name, 0.0) for name in metric_names), ep.num_turns, ep.num_malformed]
+            + [float(ep.failed)]
+            for ep in episodes
+        ]
+        table = torch.tensor(rows, dtype=torch.float32, device=self.accelerator.device).reshape(-1, len(names))
+        return names, table
+
+    def _log_rollout(self, rollout: "_Rollout", batch: dict[str, Any]) -> None:
+        """Record the statistics of one rollout (and of its packed batch) for the next `log`. Collective."""
         metrics = self._metrics["train"]
-        gathered = self.accelerator.gather(
-            torch.tensor(
-                [[ep.reward, ep.f1, ep.em, ep.num_turns, ep.num_malformed, float(ep.failed)] for ep in episodes],
-                device=self.accelerator.device,
-            )
-        ).float()
-        for i, name in enumerate(["reward", "f1", "em", "turns", "malformed_actions", "failed_episodes"]):
+        names, table = self._episode_table(rollout.episodes)
+        gathered = self.accelerator.gather(table)  # (num_episodes of all processes, len(names))
+        for i, name in enumerate(names):
             metrics[name].append(gathered[:, i].mean().item())
         metrics["reward_std"].append(gathered[:, 0].std().item() if len(gathered) > 1 else 0.0)
-        metrics["context_tokens_per_invocation"].append(
-            sum(len(inv.input_ids) for inv in invocations) / len(invocations)
-        )
-        metrics["action_tokens_per_invocation"].append(
-            sum(len(inv.output_ids) for inv in invocations) / len(invocations)
-        )
-        metrics["packing/fill"].append(float(batch.get("fill", 0.0)))
-        metrics["packing/rows"].append(float(batch["input_ids"].shape[0]))
+        invocations = rollout.invocations
+        if invocations:
+            metrics["context_tokens_per_invocation"].append(
+                sum(len(inv.input_ids) for inv in invocations) / len(invocations)
+            )
+            metrics["action_tokens_per_invocation"].append(
+                sum(len(inv.output_ids) for inv in invocations) / len(invocations)
+            )
+        if "student_batch" in batch:
+            metrics["packing/fill"].append(float(batch["student_batch"].get("fill", 0.0)))
+            metrics["packing/rows"].append(float(batch["student_batch"]["input_ids"].shape[0]))
         for key in ("num_context_truncations", "num_failed_episodes", "num_prompt_too_long", "num_truncated_outputs"):
-            if key in rollout_stats:
-                metrics[f"rollout/{key.removeprefix('num_')}"].append(float(rollout_stats[key]))
-        for key, value in timings.items():
+            if key in rollout.stats:
+                metrics[f"rollout/{key.removeprefix('num_')}"].append(float(rollout.stats[key]))
+        for key, value in rollout.seconds.items():
             metrics[f"time/{key}"].append(value)
         generated = sum(len(inv.output_ids) for inv in invocations)
-        if timings.get("rollout"):
-            metrics["rollout/tokens_per_second"].append(generated / timings["rollout"])
+        if rollout.seconds.get("rollout"):
+            metrics["rollout/tokens_per_second"].append(generated / rollout.seconds["rollout"])
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -599,11 +643,13 @@ class MemOPDTrainer(_BaseTrainer):
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """
-        Play one greedy episode per record of `eval_dataset` (or the trainer's) and report answer F1 / EM.
+        Play one greedy episode per record of `eval_dataset` (or the trainer's) and report the means of the
+        environment's metrics (for `HotpotQAEnv`: answer F1 and EM) and of the episodes' statistics.
 
         Returns:
-            `dict[str, float]`: `{prefix}_f1`, `{prefix}_em`, `{prefix}_reward`, `{prefix}_turns`,
-            `{prefix}_malformed_actions`, `{prefix}_num_episodes`.
+            `dict[str, float]`: `{prefix}_{name}` for each name of `Episode.metrics` (`{prefix}_f1`, `{prefix}_em`
+            for `HotpotQAEnv`), and `{prefix}_reward`, `{prefix}_turns`, `{prefix}_malformed_actions`,
+            `{prefix}_num_episodes`.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -613,16 +659,12 @@ class MemOPDTrainer(_BaseTrainer):
         records = [dataset[i] for i in range(rank, len(dataset), world)]
         self.model.eval()
         episodes, _ = self._play(records, greedy=True)  # on every process, even without records (collectives)
+        names, table = self._episode_table(episodes)
         # Sums and counts (same shape on every process, whatever the number of records each one played).
-        local = torch.tensor(
-            [[ep.f1, ep.em, ep.reward, ep.num_turns, ep.num_malformed, 1.0] for ep in episodes],
-            dtype=torch.float32,
-            device=self.accelerator.device,
-        ).reshape(-1, 6).sum(0)
+        local = torch.cat([table[:, :-1], torch.ones_like(table[:, :1])], dim=1).sum(0)  # without `failed_episodes`
         totals = self.accelerator.reduce(local, reduction="sum")
-        names = ["f1", "em", "reward", "turns", "malformed_actions"]
         count = max(1.0, totals[-1].item())
-        metrics = {f"{metric_key_prefix}_{n}": totals[i].item() / count for i, n in enumerate(names)}
+        metrics = {f"{metric_key_prefix}_{name}": totals[i].item() / count for i, name in enumerate(names[:-1])}
         metrics[f"{metric_key_prefix}_num_episodes"] = totals[-1].item()
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -655,26 +697,70 @@ class MemOPDTrainer(_BaseTrainer):
         super()._save_checkpoint(model, trial)
 
 
-class _DisabledAdapters:
-    """Context giving the base model of a PEFT student (adapters off) as the KL reference."""
-
-    def __init__(self, model):
-        self.model = model
-        self._context = model.disable_adapter() if _is_peft(model) else None
-
-    def __enter__(self):
-        if self._context is not None:
-            self._context.__enter__()
-        return self.model
-
-    def __exit__(self, *exc):
-        if self._context is not None:
-            self._context.__exit__(*exc)
-        return False
-
-
 def _is_peft(model) -> bool:
     return is_peft_available() and isinstance(model, PeftModel)
+
+def _load_model(name: str, init_kwargs: dict | None, attn_implementation: str, args: MemOPDConfig) -> PreTrainedModel:
+    """Load a model from an id or path with TRL's `create_model_from_path` (`dtype` defaults to float32 there)."""
+    kwargs = dict(init_kwargs or {})
+    kwargs.setdefault("attn_implementation", attn_implementation)
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    kwargs.setdefault("use_safetensors", True)
+    # As in TRL's trainers: distributed training places each process's copy itself (`device_map="auto"` fails there).
+    if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+        kwargs["device_map"] = None
+    return create_model_from_path(name, **kwargs)
+
+
+@dataclass
+class _Rollout:
+    """One rollout batch: the episodes, the rollout statistics, and the seconds each stage took (for the logs)."""
+
+    episodes: list[Episode]
+    stats: dict[str, float]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def invocations(self) -> list[Invocation]:
+        """Every model call of the batch, episode by episode (the canonical order of the per-token tensors)."""
+        return [inv for ep in self.episodes for inv in ep.invocations]
+
+
+class _UpdateSkipper(TrainerCallback):
+    """
+    The one place where an optimizer update is skipped: a process asks (`request`) when its batch has nothing to
+    learn from or its loss is not finite; right before the optimizer step every process votes, and if any asked, all
+    drop their gradients, so the step leaves the weights and the optimizer state untouched.
+
+    The vote must be collective. Under DDP every process all-reduces its gradients and steps the same optimizer on
+    the result: a process that skipped on its own would hold other weights than the rest from then on (and one that
+    left the collective calls early would leave the others waiting forever).
+    """
+
+    def __init__(self, trainer: "MemOPDTrainer"):
+        self.trainer = trainer
+        self.num_skipped = 0
+        self._requested = False  # by this process, since the last optimizer step
+
+    def request(self, reason: str) -> None:
+        """Ask for the current update to be skipped (on this process; the vote makes it collective)."""
+        self._requested = True
+        warnings.warn(
+            f"{reason}: this update is skipped ({self.num_skipped + 1} skipped so far, counting this one).",
+            stacklevel=3,
+        )
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        requested = torch.tensor(float(self._requested), device=trainer.accelerator.device)
+        self._requested = False
+        if trainer.accelerator.reduce(requested, reduction="sum").item() > 0:
+            # torch optimizers step only parameters that have a gradient: with none, nothing moves, not even the
+            # Adam moments (the value head is in the optimizer, so this covers it too).
+            trainer.optimizer.zero_grad(set_to_none=True)
+            self.num_skipped += 1
+        trainer._metrics["train"]["skipped_updates"].append(float(self.num_skipped))
+
 
 
 class RecordDataset(torch.utils.data.Dataset):
@@ -720,12 +806,8 @@ def _check_vllm_support(args: MemOPDConfig) -> None:
         )
 
 
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def _apply_env_overrides(env_factory: Callable[[], Any], args: MemOPDConfig) -> Callable[[], Any]:
-    """Rebuild the env factory with the config's `memory_policy` / `action_format` / `max_turns` when they are set."""
+    """The env factory with the config's `memory_policy` / `action_format` / `max_turns` when they are set."""
     overrides = {
         name: getattr(args, name)
         for name in ("memory_policy", "action_format", "max_turns")
@@ -733,13 +815,13 @@ def _apply_env_overrides(env_factory: Callable[[], Any], args: MemOPDConfig) -> 
     }
     if not overrides:
         return env_factory
-    env_class, kwargs = getattr(env_factory, "env_class", None), getattr(env_factory, "kwargs", None)
-    if env_class is None or kwargs is None:
+    if not isinstance(env_factory, functools.partial):
         raise ValueError(
             f"The config sets {sorted(overrides)}, but `env_factory` is a plain callable the trainer cannot rebuild. "
-            "Set these on the environment itself, or use `YourEnv.factory(...)`, which records its arguments."
+            "Set these on the environment itself, or pass `YourEnv.factory(...)` or "
+            "`functools.partial(YourEnv, ...)`, whose arguments the trainer can change."
         )
-    return env_class.factory(**{**kwargs, **overrides})
+    return functools.partial(env_factory.func, *env_factory.args, **{**env_factory.keywords, **overrides})
 
 
 def _check_logit_transforms(*models) -> None:

@@ -1,3 +1,5 @@
+import functools
+
 import pytest
 
 from memopd_trl.envs.base import (
@@ -338,4 +340,6 @@ def test_factory_makes_fresh_environments_with_the_same_settings():
     first, second = make(), make()
     assert first is not second and isinstance(first, EchoEnv)
     assert make.env_class is EchoEnv and make.kwargs == {"max_turns": 4, "memory_policy": "persistent"}
+    # A plain `functools.partial`, so a trainer can rebuild it with other settings.
+    assert isinstance(make, functools.partial) and make.func is EchoEnv and make.keywords == make.kwargs
     assert first.max_turns == 4 and first.memory_policy.name == "persistent"

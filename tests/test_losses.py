@@ -189,7 +189,8 @@ def lm_head_inputs(num_tokens=7, student_hidden=6, teacher_hidden=5, vocab_size=
 def materialized_per_token(inputs, beta, temperature):
     student_logits = inputs["student_hidden"] @ inputs["student_weight"].T + inputs["student_bias"]  # (N, V)
     teacher_logits = inputs["teacher_hidden"] @ inputs["teacher_weight"].T + inputs["teacher_bias"]  # (N, V)
-    terms = generalized_jsd_loss(student_logits, teacher_logits, beta=beta, temperature=temperature, reduction="none")
+    # TRL's materialized GKD loss is the reference of the chunked one.
+    terms = trl_generalized_jsd_loss(student_logits, teacher_logits, beta=beta, temperature=temperature, reduction="none")
     return terms.sum(-1)  # (N,)
 
 
@@ -271,7 +272,7 @@ def test_chunked_generalized_jsd_skips_gradients_of_frozen_student_weights():
     chunked.sum().backward()
     hidden_grad = inputs["student_hidden"].grad.clone()
     inputs["student_hidden"].grad = None
-    materialized = generalized_jsd_loss(
+    materialized = trl_generalized_jsd_loss(
         inputs["student_hidden"] @ inputs["student_weight"].T,
         inputs["teacher_hidden"] @ inputs["teacher_weight"].T,
         beta=0.3,

@@ -49,15 +49,14 @@ def test_each_invocation_is_rebuilt_whole_in_one_row_with_positions_from_zero(in
         r, start, end = spans[0]
         assert batch["input_ids"][r, start:end].tolist() == inv.input_ids + inv.output_ids
         assert batch["position_ids"][r, start:end].tolist() == list(range(inv.num_tokens))
-        mask = batch["action_mask"][r, start:end].tolist()
+        mask = (batch["action_target_index"][r, start:end] >= 0).tolist()
         assert mask == [False] * len(inv.input_ids) + [True] * len(inv.output_ids)
 
 
 def test_action_mask_covers_exactly_the_output_tokens_in_canonical_order(invocations):
     batch = PackedInvocationCollator(max_tokens_per_row=32)(invocations)
     all_outputs = [t for inv in invocations for t in inv.output_ids]
-    assert batch["num_action_tokens"] == len(all_outputs) == int(batch["action_mask"].sum())
-    assert torch.equal(batch["action_mask"], batch["action_target_index"] >= 0)
+    assert batch["num_action_tokens"] == len(all_outputs) == int((batch["action_target_index"] >= 0).sum())
     assert gather_actions(batch["input_ids"], batch["action_target_index"]).tolist() == all_outputs
 
 
@@ -71,7 +70,6 @@ def test_row_padding_restarts_positions_and_belongs_to_no_invocation(invocations
         assert pad == list(range(pad[0], width)), "padding must be at the end of the row"
         assert batch["position_ids"][r, pad[0] :].tolist() == list(range(len(pad)))
         assert set(batch["input_ids"][r, pad[0] :].tolist()) == {7}
-        assert not batch["action_mask"][r, pad[0] :].any()
         assert set(batch["action_target_index"][r, pad[0] :].tolist()) == {-1}
 
 
@@ -133,23 +131,16 @@ def test_bad_collator_settings_raise(kwargs, match):
         PackedInvocationCollator(**kwargs)
 
 
-def test_sampling_logprobs_and_advantages_sit_on_action_tokens():
-    invocations = [
-        make_invocation(4, 3, seed=0, logprobs=[-0.1, -0.2, -0.3], advantages=[1.0, 1.0, 1.0]),
-        make_invocation(2, 2, seed=1, logprobs=[-1.0, -2.0], advantages=[-0.5, -0.5]),
-    ]
-    batch = PackedInvocationCollator()(invocations)
-    assert batch["old_logprobs"].dtype == batch["advantages"].dtype == torch.float32
-    ati = batch["action_target_index"]
-    assert gather_actions(batch["old_logprobs"], ati).tolist() == pytest.approx([-0.1, -0.2, -0.3, -1.0, -2.0])
-    assert gather_actions(batch["advantages"], ati).tolist() == [1.0, 1.0, 1.0, -0.5, -0.5]
-    assert (batch["old_logprobs"][~batch["action_mask"]] == 0).all()
-
-
-def test_sampling_logprobs_are_left_out_unless_every_invocation_has_them():
+def test_the_batch_describes_the_layout_only():
+    # Per-token training data (sampled log-probs, advantages) stays with the trainer, in canonical order: the batch
+    # only says where each action token sits, so it can be read back with `gather_actions`.
     invocations = [make_invocation(4, 3, seed=0, logprobs=[-0.1, -0.2, -0.3]), make_invocation(2, 2, seed=1)]
-    batch = PackedInvocationCollator()(invocations)
-    assert "old_logprobs" not in batch and "advantages" not in batch
+    packed = PackedInvocationCollator()(invocations)
+    layout = {"input_ids", "position_ids", "invocation_index", "action_target_index", "num_invocations"}
+    counts = {"num_action_tokens", "num_real_tokens", "fill"}
+    varlen = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    assert set(packed) == layout | counts | varlen
+    assert set(PaddedInvocationCollator()(invocations)) == layout | counts | {"attention_mask"}
 
 
 def test_flash_varlen_boundaries_match_transformers_reading_of_the_flattened_positions(invocations):

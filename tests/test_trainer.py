@@ -1,6 +1,7 @@
 """MemOPDTrainer end to end on tiny real models: rollout, packing, teacher scoring, losses, optimizer step."""
 
 import copy
+import functools
 import os
 import sys
 import types
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 import memopd_trl.trainer as trainer_module
 from memopd_trl import MemOPDConfig, MemOPDTrainer
 from memopd_trl.envs.base import MemoryAgentEnv, StepResult
+from memopd_trl.envs.hotpot import HotpotQAEnv
 
 
 class LengthRewardEnv(MemoryAgentEnv):
@@ -95,6 +97,8 @@ def test_one_step_updates_student_not_teacher(tmp_path, world, env_factory, make
     assert all(torch.isfinite(torch.tensor(losses_logged(trainer, "loss"))))
     if settings.get("ppo_coef", 1.0) > 0:
         assert losses_logged(trainer, "loss/ppo")
+    assert losses_logged(trainer, "time/teacher")
+    assert bool(losses_logged(trainer, "time/reference")) == ("kl_coef" in settings), "the reference has its own time"
 
 
 def test_ppo_only_needs_no_teacher_and_learns_from_varied_rewards(tmp_path, world, make_tiny_model, tiny_tokenizer):
@@ -364,13 +368,13 @@ def test_gradient_accumulation_rolls_out_every_micro_batch(tmp_path, world, env_
         processing_class=tiny_tokenizer,
     )
     played = []
-    rollout_and_score = trainer._rollout_and_score
+    rollout = trainer._rollout
 
     def record(records):
         played.append(tuple(r["_id"] for r in records))
-        return rollout_and_score(records)
+        return rollout(records)
 
-    trainer._rollout_and_score = record
+    trainer._rollout = record
     trainer.train()
     # Step 1 rolls out its two micro-batches; step 2 reuses both (num_iterations=2).
     assert len(played) == 2 and played[0] != played[1], played
@@ -389,6 +393,60 @@ def test_config_overrides_the_env_factory_settings(tmp_path, world, env_factory,
     assert env.memory_policy.name == "persistent" and env.max_turns == 3
     assert env.action_format.memory_tag == "think"
     assert env.retriever is env_factory.retriever, "the retriever must be shared, not rebuilt"
+
+
+def test_config_overrides_a_plain_functools_partial_env_factory(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    plain = functools.partial(HotpotQAEnv, retriever=env_factory.retriever, top_k=1, max_turns=2)
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        args=make_config(tmp_path, distill_coef=0.0, max_turns=5),
+        train_dataset=world.records,
+        env_factory=plain,
+        processing_class=tiny_tokenizer,
+    )
+    env = trainer.env_factory()
+    assert isinstance(env, HotpotQAEnv) and env.max_turns == 5 and env.top_k == 1
+
+
+def test_a_plain_callable_env_factory_cannot_take_config_overrides(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    with pytest.raises(ValueError, match="plain callable the trainer cannot rebuild"):
+        MemOPDTrainer(
+            model=make_tiny_model(seed=0),
+            args=make_config(tmp_path, distill_coef=0.0, max_turns=5),
+            train_dataset=world.records,
+            env_factory=lambda: env_factory(),
+            processing_class=tiny_tokenizer,
+        )
+
+
+class ScoredLengthEnv(LengthRewardEnv):
+    """Reports its own final scores in a `metrics` dict, under names the trainer knows nothing about."""
+
+    @property
+    def metrics(self):
+        return {"length_score": self.reward, "answered": 1.0}
+
+
+def test_logged_episode_metrics_are_the_environments_own(tmp_path, world, make_tiny_model, tiny_tokenizer):
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        args=make_config(tmp_path, distill_coef=0.0),
+        train_dataset=world.records,
+        eval_dataset=world.records[:2],
+        env_factory=ScoredLengthEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert losses_logged(trainer, "answered") == [1.0]
+    assert losses_logged(trainer, "length_score") == losses_logged(trainer, "reward")
+    assert not losses_logged(trainer, "f1"), "the trainer must not invent QA metrics the environment does not report"
+    metrics = trainer.evaluate()
+    assert metrics["eval_answered"] == 1.0 and metrics["eval_length_score"] == metrics["eval_reward"]
+    assert "eval_f1" not in metrics
 
 
 # ----- use_vllm: TRL's VLLMGeneration (engine and weight sync) and a vLLM engine, both faked ------------------------

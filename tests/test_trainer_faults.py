@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file
 
 from memopd_trl import MemOPDTrainer
+from memopd_trl.losses import gae_advantages
 from memopd_trl.trainer import VALUE_HEAD_FILE
 
 from test_trainer import LengthRewardEnv, changed, losses_logged, make_config, params_of
@@ -46,17 +47,17 @@ def test_a_bad_update_between_good_ones_is_skipped_but_the_good_ones_apply(
         env_factory=env_factory,
         processing_class=tiny_tokenizer,
     )
-    rollout_and_score = trainer._rollout_and_score
+    score = trainer._score
     snapshots = {}
 
-    def poison_second_batch(records):
-        batch = rollout_and_score(records)
+    def poison_second_batch(rollout):
+        batch = score(rollout)
         snapshots[trainer.state.global_step] = params_of(student)
         if trainer.state.global_step == 1:
             batch["teacher_hidden"] = torch.full_like(batch["teacher_hidden"], float("inf"))
         return batch
 
-    trainer._rollout_and_score = poison_second_batch
+    trainer._score = poison_second_batch
     with pytest.warns(UserWarning, match="Non-finite loss"):
         trainer.train()
     assert trainer.num_skipped_updates == 1
@@ -108,3 +109,63 @@ def test_a_batch_where_no_episode_reaches_the_model_skips_the_update(
         trainer.train()
     assert trainer.num_skipped_updates == 1 and trainer.state.global_step == 1
     assert not changed(before, student)
+
+
+def test_a_skip_asked_by_another_process_skips_the_update_here_too(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    # This process's batches are fine; the vote says another process asked for a skip: the update must not apply
+    # here either, or the processes' weights would part ways.
+    student = make_tiny_model(seed=0)
+    before = params_of(student)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path, max_steps=2),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    reduce = trainer.accelerator.reduce
+    votes = []
+
+    def another_process_asks(tensor, reduction="sum"):
+        votes.append(float(tensor))
+        return reduce(tensor, reduction) + 1.0
+
+    trainer.accelerator.reduce = another_process_asks
+    trainer.train()
+    assert votes == [0.0, 0.0], "this process did not ask, and voted at every optimizer step"
+    assert trainer.num_skipped_updates == 2 and losses_logged(trainer, "skipped_updates") == [1.0, 2.0]
+    assert not changed(before, student), "an update skipped by the vote moved the weights"
+    assert all(torch.isfinite(torch.tensor(losses_logged(trainer, "loss/distill"))))
+
+
+def test_batched_gae_equals_gae_run_on_each_episode_alone(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        args=make_config(tmp_path, distill_coef=0.0, advantage_estimator="gae", num_generations=2, gamma=0.9, lam=0.8),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    with torch.no_grad():  # a value head that says something (it starts at zero)
+        torch.nn.init.normal_(trainer.value_head.weight, generator=torch.Generator().manual_seed(0))
+    rollout = trainer._rollout(world.records[:3])
+    for i, episode in enumerate(rollout.episodes):
+        episode.reward = 0.25 * i
+        if i % 2:  # episodes of different lengths: the batched GAE pads them
+            episode.invocations = episode.invocations[:1]
+    lengths = [sum(len(inv.output_ids) for inv in ep.invocations) for ep in rollout.episodes]
+    assert len(set(lengths)) > 1
+    batch = trainer._score(rollout)
+
+    advantages, returns = [], []  # one episode at a time, as a 1-D sequence of its action tokens
+    for episode, values in zip(rollout.episodes, batch["old_values"].split(lengths), strict=True):
+        rewards = torch.zeros_like(values)
+        rewards[-1:] = episode.reward
+        adv, ret = gae_advantages(rewards, values, gamma=0.9, lam=0.8)
+        advantages.append(adv)
+        returns.append(ret)
+    assert torch.equal(batch["advantages"], torch.cat(advantages))
+    assert torch.equal(batch["returns"], torch.cat(returns))

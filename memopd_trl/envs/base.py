@@ -15,9 +15,9 @@ task, the latest memory and action, the latest observation) or ``persistent`` (e
 context grows). Environments speak text and chat messages; they never tokenize.
 """
 
+import functools
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -527,16 +527,37 @@ class MemoryAgentEnv(ABC):
         return StepResult(observation, reward, True, info)
 
     @classmethod
-    def factory(cls, **kwargs) -> Callable[[], "MemoryAgentEnv"]:
+    def factory(cls, **kwargs) -> "EnvFactory":
         """
         Returns:
-            `Callable[[], MemoryAgentEnv]`: a function that makes a fresh environment with these arguments, so a
+            `EnvFactory`: a `functools.partial` of the class that makes a fresh environment with these arguments, so a
             trainer can give every episode its own. Heavy shared objects (a retriever) are passed once and shared.
         """
+        return EnvFactory(cls, **kwargs)
 
-        def make() -> "MemoryAgentEnv":
-            return cls(**kwargs)
 
-        make.env_class = cls
-        make.kwargs = kwargs
-        return make
+class EnvFactory(functools.partial):
+    """
+    `functools.partial(env_class, **kwargs)`: each call makes a fresh environment. Any `functools.partial` of an
+    environment class works as an `env_factory`; this one also names its parts `env_class` (`func`) and `kwargs`
+    (`keywords`).
+
+    Example:
+
+    ```python
+    >>> from memopd_trl import HotpotQAEnv
+    >>> make_env = HotpotQAEnv.factory(corpus=[{"title": "Rome", "text": "Rome is the capital of Italy."}], top_k=1)
+    >>> make_env.env_class is HotpotQAEnv, make_env.kwargs["top_k"]
+    (True, 1)
+    ```
+    """
+
+    @property
+    def env_class(self) -> type:
+        """The environment class (`func`)."""
+        return self.func
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every environment is made with (`keywords`)."""
+        return self.keywords

@@ -52,13 +52,13 @@ def main() -> int:
         processing_class=tokenizer,
     )
     played = []
-    rollout_and_score = trainer._rollout_and_score
+    rollout = trainer._rollout
 
     def record(records):
         played.extend(r["_id"] for r in records)
-        return rollout_and_score(records)
+        return rollout(records)
 
-    trainer._rollout_and_score = record
+    trainer._rollout = record
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
