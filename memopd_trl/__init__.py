@@ -31,6 +31,9 @@ _EXPORTS = {
     "ppo_clip_loss": "memopd_trl.losses",
     "MemOPDConfig": "memopd_trl.config",
     "MemOPDTrainer": "memopd_trl.trainer",
+    "OfflineConfig": "memopd_trl.offline",
+    "make_offline_world": "memopd_trl.offline",
+    "prepare_offline_models": "memopd_trl.offline",
     "multi_answer_f1": "memopd_trl.metrics",
     "multi_answer_em": "memopd_trl.metrics",
     "make_multi_objective_tasks": "memopd_trl.envs.multi",
@@ -63,6 +66,7 @@ if TYPE_CHECKING:
     from .modeling import build_tiny_model
     from .tokenizer import build_tokenizer
     from .metrics import exact_match, qa_f1
+    from .offline import OfflineConfig, make_offline_world, prepare_offline_models
     from .packing import PackedInvocationCollator, PaddedInvocationCollator
     from .records import Episode, Invocation
     from .rollout import RolloutEngine

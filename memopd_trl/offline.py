@@ -1,0 +1,533 @@
+"""The offline world: a synthetic HotpotQA-format world, its tokenizer, and a tiny teacher and student start.
+
+Everything here runs without a network on a CPU. [`make_offline_world`] makes a seeded synthetic world
+([`make_synthetic_world`]) split into training and held-out questions, with a BM25-backed [`HotpotQAEnv`] over its
+passages. [`prepare_offline_models`] then builds, or reuses from a cache, the two models the comparison starts from:
+
+1. a tokenizer trained on the world's texts and the expert's rendered turns;
+2. a teacher trained from scratch by imitation of the scripted expert's compact-memory trajectories, after a copy
+   warm-up ([`copy_task_invocations`]). Some of the expert's search turns are played with a mistake while the trace
+   keeps the expert's own next action, so the teacher has also seen how to recover from states a weak student reaches;
+3. a smaller student warm-started briefly the same way, so that it knows the action format.
+
+Each model is saved with its recipe ([`OfflineConfig`] and the environment's settings) in `memopd_setup.json`; a later
+call with the same recipe reuses it, and a changed recipe rebuilds what depends on it (the student shares the
+teacher's tokenizer, so a new teacher means a new student).
+
+>>> from memopd_trl.offline import OfflineConfig, load_offline_model, make_offline_world, prepare_offline_models
+>>> config = OfflineConfig(
+...     num_train_questions=40, num_eval_questions=8, vocab_size=400, teacher_hidden_size=32, student_hidden_size=32,
+...     copy_warmup_sequences=64, student_warmup_questions=16,
+... )
+>>> world = make_offline_world(config, max_turns=3)
+>>> setup = prepare_offline_models(config, world, "outputs/offline")  # {"teacher": {...}, "student_init": {...}}
+>>> student = load_offline_model("outputs/offline/student_init")
+"""
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from . import scoring  # noqa: F401  (registers the "memopd_sdpa_varlen" attention the tiny models use)
+from .envs.expert import expert_trajectories
+from .envs.hotpot import HotpotQAEnv
+from .envs.synthetic import NAME_SYLLABLES, SyntheticWorld, make_synthetic_world
+from .imitation import copy_task_invocations, expert_invocations, imitation_train
+from .modeling import build_tiny_model
+from .rollout import RolloutEngine
+from .tokenizer import build_tokenizer
+
+
+VARLEN_ATTENTION = "memopd_sdpa_varlen"
+SETUP_FILE = "memopd_setup.json"
+ROLES = ("teacher", "student_init")
+
+
+@dataclass
+class OfflineConfig:
+    r"""
+    Settings of the offline world and of its tiny teacher and student start: together with the environment's
+    settings, the recipe a cached model is checked against.
+
+    Parameters that control the world:
+        num_train_questions (`int`, *optional*, defaults to `6000`):
+            Training questions: the teacher imitates the expert on all of them, the arms train on them.
+        num_eval_questions (`int`, *optional*, defaults to `200`):
+            Held-out questions, evaluated greedily.
+        world_seed (`int`, *optional*, defaults to `0`):
+            Seed of the world, the expert's mistakes and the copy warm-up strings.
+        comparison_fraction (`float`, *optional*, defaults to `0.0`):
+            Fraction of comparison questions (the rest are bridge questions).
+        retrieval_top_k (`int`, *optional*, defaults to `1`):
+            Passages returned per search.
+        max_malformed (`int`, *optional*, defaults to `1`):
+            Malformed actions that end an episode with reward 0 (a tiny model's turn after a format error is noise
+            that no model was trained on).
+        system_prompt (`str`, *optional*, defaults to `"Act."`):
+            System prompt of the environment; a one-line prompt keeps the tiny models' contexts short.
+
+    Parameters that control the models:
+        vocab_size (`int`, *optional*, defaults to `768`):
+            Vocabulary size of the tokenizer trained on the world.
+        teacher_hidden_size (`int`, *optional*, defaults to `128`):
+            Hidden size of the teacher.
+        teacher_layers (`int`, *optional*, defaults to `2`):
+            Layers of the teacher.
+        student_hidden_size (`int`, *optional*, defaults to `64`):
+            Hidden size of the student.
+        student_layers (`int`, *optional*, defaults to `2`):
+            Layers of the student.
+
+    Parameters that control the imitation:
+        copy_warmup_sequences (`int`, *optional*, defaults to `16000`):
+            Random strings to repeat before imitation (the copy warm-up of both models); 0 turns it off.
+        copy_learning_rate (`float`, *optional*, defaults to `5e-3`):
+            Peak learning rate of the copy warm-up.
+        expert_mistake_prob (`float`, *optional*, defaults to `0.2`):
+            Probability that a search turn of the expert's traces is played with a mistake (garbled query, repeated
+            search, forgotten fact) while the trace keeps the expert's own action.
+        teacher_epochs (`float`, *optional*, defaults to `2.0`):
+            Epochs of teacher imitation.
+        teacher_learning_rate (`float`, *optional*, defaults to `3e-3`):
+            Peak learning rate of teacher imitation.
+        student_warmup_questions (`int`, *optional*, defaults to `1500`):
+            Questions whose expert turns warm-start the student.
+        student_epochs (`float`, *optional*, defaults to `1.0`):
+            Epochs of the student warm-start.
+        student_learning_rate (`float`, *optional*, defaults to `3e-3`):
+            Peak learning rate of the student warm-start.
+        imitation_tokens_per_batch (`int`, *optional*, defaults to `2048`):
+            Real tokens per optimizer step of imitation and copy warm-up.
+        context_weight (`float`, *optional*, defaults to `0.5`):
+            Weight of the context tokens' next-token loss in imitation (0 = actions only).
+    """
+
+    # World
+    num_train_questions: int = field(
+        default=6000,
+        metadata={
+            "help": "Training questions: the teacher imitates the expert on all of them, the arms train on them."
+        },
+    )
+    num_eval_questions: int = field(default=200, metadata={"help": "Held-out questions, evaluated greedily."})
+    world_seed: int = field(
+        default=0, metadata={"help": "Seed of the world, the expert's mistakes and the copy warm-up strings."}
+    )
+    comparison_fraction: float = field(
+        default=0.0, metadata={"help": "Fraction of comparison questions (the rest are bridge questions)."}
+    )
+    retrieval_top_k: int = field(default=1, metadata={"help": "Passages returned per search."})
+    max_malformed: int = field(
+        default=1,
+        metadata={"help": "Malformed actions that end an episode with reward 0 (a tiny model's turn after a format "
+                  "error is noise that no model was trained on)."},
+    )  # fmt: skip
+    system_prompt: str | None = field(
+        default="Act.",
+        metadata={
+            "help": "System prompt of the environment; a one-line prompt keeps the tiny models' contexts short."
+        },
+    )
+
+    # Models
+    vocab_size: int = field(default=768, metadata={"help": "Vocabulary size of the tokenizer trained on the world."})
+    teacher_hidden_size: int = field(default=128, metadata={"help": "Hidden size of the teacher."})
+    teacher_layers: int = field(default=2, metadata={"help": "Layers of the teacher."})
+    student_hidden_size: int = field(default=64, metadata={"help": "Hidden size of the student."})
+    student_layers: int = field(default=2, metadata={"help": "Layers of the student."})
+
+    # Imitation
+    copy_warmup_sequences: int = field(
+        default=16000,
+        metadata={
+            "help": "Random strings to repeat before imitation (the copy warm-up of both models); 0 turns it off."
+        },
+    )
+    copy_learning_rate: float = field(default=5e-3, metadata={"help": "Peak learning rate of the copy warm-up."})
+    expert_mistake_prob: float = field(
+        default=0.2,
+        metadata={"help": "Probability that a search turn of the expert's traces is played with a mistake (garbled "
+                  "query, repeated search, forgotten fact) while the trace keeps the expert's own action."},
+    )  # fmt: skip
+    teacher_epochs: float = field(default=2.0, metadata={"help": "Epochs of teacher imitation."})
+    teacher_learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate of teacher imitation."})
+    student_warmup_questions: int = field(
+        default=1500, metadata={"help": "Questions whose expert turns warm-start the student."}
+    )
+    student_epochs: float = field(default=1.0, metadata={"help": "Epochs of the student warm-start."})
+    student_learning_rate: float = field(
+        default=3e-3, metadata={"help": "Peak learning rate of the student warm-start."}
+    )
+    imitation_tokens_per_batch: int = field(
+        default=2048, metadata={"help": "Real tokens per optimizer step of imitation and copy warm-up."}
+    )
+    context_weight: float = field(
+        default=0.5,
+        metadata={"help": "Weight of the context tokens' next-token loss in imitation (0 = actions only)."},
+    )
+
+    def __post_init__(self):
+        for name in ("num_train_questions", "num_eval_questions", "retrieval_top_k", "max_malformed", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}.")
+        for name in ("teacher_epochs", "student_epochs", "teacher_learning_rate", "student_learning_rate"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"`{name}` must be > 0, got {getattr(self, name)}.")
+        if not 0.0 <= self.expert_mistake_prob <= 1.0:
+            raise ValueError(f"`expert_mistake_prob` must be in [0, 1], got {self.expert_mistake_prob}.")
+        if self.student_warmup_questions < 1 or self.copy_warmup_sequences < 0:
+            raise ValueError(
+                "`student_warmup_questions` must be >= 1 and `copy_warmup_sequences` >= 0, got "
+                f"{self.student_warmup_questions} and {self.copy_warmup_sequences}."
+            )
+
+    def settings(self) -> dict[str, Any]:
+        """
+        Returns:
+            `dict[str, Any]`: the fields of `OfflineConfig` only (a subclass that adds fields keeps them out).
+        """
+        return {f.name: getattr(self, f.name) for f in fields(OfflineConfig)}
+
+
+@dataclass
+class OfflineWorld:
+    """
+    The synthetic world split into training and held-out questions, and the environment of its episodes.
+
+    Args:
+        world (`SyntheticWorld`): the world (its records and passages).
+        train (`list[dict]`): the first `num_train_questions` records.
+        evaluation (`list[dict]`): the held-out records that follow them.
+        env_factory (`Callable[[], HotpotQAEnv]`): makes one environment per episode, over the world's passages.
+    """
+
+    world: SyntheticWorld
+    train: list[dict[str, Any]]
+    evaluation: list[dict[str, Any]]
+    env_factory: Callable[[], HotpotQAEnv]
+
+    def env_settings(self) -> dict[str, Any]:
+        """
+        Returns:
+            `dict[str, Any]`: the environment's settings (turn limit, memory policy, ...) without its retriever.
+        """
+        return {key: value for key, value in self.env_factory.kwargs.items() if key != "retriever"}
+
+
+def make_offline_world(config: OfflineConfig, **env_kwargs) -> OfflineWorld:
+    """
+    Make the seeded synthetic world of `config` and an environment over its passages.
+
+    Args:
+        config (`OfflineConfig`): the world's size, seed and environment settings.
+        **env_kwargs: further [`MemoryAgentEnv`] arguments (`max_turns`, `memory_policy`, `action_format`, ...).
+
+    Returns:
+        `OfflineWorld`: the world, its training and held-out records and its environment factory.
+    """
+    num_train = config.num_train_questions
+    world = make_synthetic_world(
+        num_train + config.num_eval_questions,
+        seed=config.world_seed,
+        comparison_fraction=config.comparison_fraction,
+        filler_prob=0.0,
+    )
+    env_factory = HotpotQAEnv.factory(
+        corpus=world.corpus,
+        top_k=config.retrieval_top_k,
+        max_malformed=config.max_malformed,
+        system_prompt=config.system_prompt,
+        **env_kwargs,
+    )
+    return OfflineWorld(world, world.records[:num_train], world.records[num_train:], env_factory)
+
+
+def build_offline_tokenizer(
+    world: SyntheticWorld, expert_steps: list[tuple[list[dict[str, str]], str]], vocab_size: int
+) -> PreTrainedTokenizerFast:
+    """
+    A BPE tokenizer trained on the world's texts and the rendered expert turns (task wording, tags, memories).
+
+    The capitalized syllables that invented names start with are kept as single tokens: a name then tokenizes the
+    same after a space (in a question or passage) and right after a tag (in a query, memory or answer), so a tiny
+    model can copy it token by token. Pretrained LLMs learned the mapping between such variants long ago; a model
+    trained for minutes would spend most of its budget on it.
+
+    Args:
+        world (`SyntheticWorld`): the world whose texts the tokenizer is trained on.
+        expert_steps (`list[tuple[list[dict], str]]`): `(messages, action)` turns; the first 1000 are added.
+        vocab_size (`int`): vocabulary size.
+
+    Returns:
+        `PreTrainedTokenizerFast`: the tokenizer, with a chat template.
+    """
+    texts = world.texts()
+    for messages, action in expert_steps[:1000]:
+        texts += [message["content"] for message in messages] + [action]
+    return build_tokenizer(texts, vocab_size=vocab_size, extra_tokens=[s.capitalize() for s in NAME_SYLLABLES])
+
+
+def train_tiny_agent(
+    role: str,
+    hidden_size: int,
+    num_layers: int,
+    invocations: list,
+    copy_data: list,
+    epochs: float,
+    learning_rate: float,
+    tokenizer: PreTrainedTokenizerFast,
+    config: OfflineConfig,
+    seed: int,
+) -> tuple[PreTrainedModel, list[float]]:
+    """
+    A tiny model from scratch: the copy warm-up on `copy_data` (if any), then imitation of `invocations`.
+
+    Args:
+        role (`str`): label of the progress bars (`"teacher"`, `"student_init"`).
+        hidden_size (`int`): hidden size of the model.
+        num_layers (`int`): number of layers.
+        invocations (`list[Invocation]`): the expert's turns ([`expert_invocations`]).
+        copy_data (`list[Invocation]`): the copy warm-up's strings ([`copy_task_invocations`]); empty skips it.
+        epochs (`float`): epochs of imitation.
+        learning_rate (`float`): peak learning rate of imitation.
+        tokenizer (`PreTrainedTokenizerFast`): the world's tokenizer.
+        config (`OfflineConfig`): the copy learning rate, batch size and context weight.
+        seed (`int`): seed of the initial weights and the data order.
+
+    Returns:
+        `tuple[PreTrainedModel, list[float]]`: the model (in eval mode) and the action NLL of every imitation step.
+    """
+    model = build_tiny_model(
+        len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=2,
+        num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        attn_implementation=VARLEN_ATTENTION, seed=seed,
+    )  # fmt: skip
+    common = dict(tokens_per_batch=config.imitation_tokens_per_batch, pad_token_id=tokenizer.pad_token_id, seed=seed)
+    if copy_data:
+        imitation_train(
+            model, copy_data, learning_rate=config.copy_learning_rate, description=f"{role} copy warm-up", **common
+        )
+    losses = imitation_train(
+        model, invocations, epochs=epochs, learning_rate=learning_rate, context_weight=config.context_weight,
+        description=f"{role} imitation", **common,
+    )  # fmt: skip
+    return model, losses
+
+
+def greedy_scores(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    env_factory: Callable[[], HotpotQAEnv],
+    records: list[dict[str, Any]],
+    max_new_tokens: int,
+    max_prompt_length: int,
+) -> dict[str, float]:
+    """
+    Greedy F1 / EM of `model` on `records`, one episode each, in this process only.
+
+    The same episodes as `MemOPDTrainer.evaluate` plays, without a trainer: the set-up runs on the main process alone
+    while the others wait, so it cannot use the trainer's cross-process reduction.
+
+    Returns:
+        `dict[str, float]`: the mean `f1` and `em`.
+    """
+    engine = RolloutEngine(
+        model, tokenizer, env_factory, max_new_tokens=max_new_tokens, max_prompt_length=max_prompt_length
+    )
+    episodes, _ = engine.rollout(records, num_generations=1, greedy=True)
+    count = max(1, len(episodes))
+    return {"f1": sum(e.f1 for e in episodes) / count, "em": sum(e.em for e in episodes) / count}
+
+
+def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dict[str, Any]]:
+    """
+    Everything the cached teacher and student start depend on; a cache made with another recipe is rebuilt.
+
+    Returns:
+        `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the world's and the environment's settings and
+        that model's own (`hidden_size`, `layers`, `epochs`, `learning_rate`; the student's `warmup_questions`).
+    """
+    shared = {key: value for key, value in config.settings().items() if not key.startswith(("teacher_", "student_"))}
+    shared.update(world.env_settings())
+    recipes = {}
+    for role, prefix in (("teacher", "teacher_"), ("student_init", "student_")):
+        recipe = dict(shared)
+        for name in ("hidden_size", "layers", "epochs", "learning_rate"):
+            recipe[name] = getattr(config, prefix + name)
+        recipes[role] = recipe
+    recipes["student_init"]["warmup_questions"] = config.student_warmup_questions
+    return recipes
+
+
+def eval_settings(world: OfflineWorld, max_new_tokens: int, max_prompt_length: int) -> dict[str, Any]:
+    """
+    What a greedy held-out score depends on besides the model: a cached score holds when these are the same.
+
+    Returns:
+        `dict[str, Any]`: the held-out question ids, the environment's settings and the generation lengths.
+    """
+    return {
+        "questions": [record["_id"] for record in world.evaluation],
+        **world.env_settings(),
+        "max_new_tokens": max_new_tokens,
+        "max_prompt_length": max_prompt_length,
+    }
+
+
+def cached_start_scores(
+    setup: dict[str, dict[str, Any]], world: OfflineWorld, max_new_tokens: int, max_prompt_length: int
+) -> dict[str, float] | None:
+    """
+    The student start's held-out score from the set-up, if it was measured under these settings.
+
+    Args:
+        setup (`dict[str, dict]`): what [`prepare_offline_models`] returned.
+        world (`OfflineWorld`): the world the score should be on.
+        max_new_tokens (`int`): tokens per model call of the held-out episodes.
+        max_prompt_length (`int`): context tokens per model call.
+
+    Returns:
+        `dict[str, float]` or `None`: the start's `f1` and `em`, or `None` when the cached score was measured on
+        other questions or under other settings (then measure it again).
+    """
+    student = setup["student_init"]
+    if student.get("eval_settings") != eval_settings(world, max_new_tokens, max_prompt_length):
+        return None
+    return {"f1": student["f1"], "em": student["em"]}
+
+
+def prepare_offline_models(
+    config: OfflineConfig,
+    world: OfflineWorld,
+    output_dir: str | os.PathLike,
+    max_new_tokens: int = 64,
+    max_prompt_length: int = 512,
+) -> dict[str, dict[str, Any]]:
+    """
+    Build, or reuse, the teacher in `output_dir/teacher` and the student start in `output_dir/student_init`.
+
+    Only the main process trains; the others wait, then every process reads the cache. Each model is scored greedily
+    on the held-out questions with `max_new_tokens` / `max_prompt_length`, the trainer's generation settings.
+
+    Args:
+        config (`OfflineConfig`): the recipe of both models.
+        world (`OfflineWorld`): the world [`make_offline_world`] made from `config`.
+        output_dir (`str` or `os.PathLike`): where the models are cached.
+        max_new_tokens (`int`, *optional*, defaults to `64`): tokens per model call of the held-out episodes.
+        max_prompt_length (`int`, *optional*, defaults to `512`): context tokens per model call.
+
+    Returns:
+        `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the content of its `memopd_setup.json`: held-out
+        `f1` / `em`, `train_seconds`, `parameters`, `expert_turns`, `final_action_nll`, `recipe`, `eval_settings`.
+    """
+    if config.student_warmup_questions > len(world.train):
+        raise ValueError(
+            f"`student_warmup_questions` ({config.student_warmup_questions}) exceeds the world's "
+            f"{len(world.train)} training questions: lower it or raise `num_train_questions`."
+        )
+    state = PartialState()
+    recipes = offline_recipes(config, world)
+    paths = {role: Path(output_dir) / role for role in ROLES}
+    with state.main_process_first():
+        if state.is_main_process:
+            stale = [role for role in ROLES if _cached_recipe(paths[role]) != recipes[role]]
+            if "teacher" in stale and "student_init" not in stale:
+                stale.append("student_init")  # the student shares the teacher's tokenizer
+            for role in ROLES:
+                _log(f"[setup] {'building' if role in stale else 'reusing the cached'} {role} in {paths[role]}")
+            if stale:
+                generation = {"max_new_tokens": max_new_tokens, "max_prompt_length": max_prompt_length}
+                _build_models(config, world, paths, stale, recipes, generation)
+    return {role: json.loads((paths[role] / SETUP_FILE).read_text()) for role in ROLES}
+
+
+def load_offline_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
+    """
+    The offline tokenizer saved beside a tiny model.
+
+    Not through `AutoTokenizer`: next to a Qwen2 `config.json` it would build a `Qwen2Tokenizer`, whose pre-tokenizer
+    splits numbers into digits, silently changing the token ids the models were trained on.
+    """
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def load_offline_model(path: str | os.PathLike) -> PreTrainedModel:
+    """A cached tiny model, in float32 with the packed-row attention it was trained with."""
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=VARLEN_ATTENTION, dtype=torch.float32)
+
+
+def _build_models(config, world, paths, roles, recipes, generation) -> None:
+    """Train the models of `roles` (`"teacher"` first: it trains the tokenizer both share) and cache them."""
+    start = time.perf_counter()
+    num_expert = len(world.train) if "teacher" in roles else config.student_warmup_questions
+    trajectories = expert_trajectories(
+        world.train[:num_expert], world.env_factory, mistake_prob=config.expert_mistake_prob, seed=config.world_seed
+    )
+    if "teacher" in roles:
+        steps = [step for trajectory in trajectories for step in trajectory.steps]
+        tokenizer = build_offline_tokenizer(world.world, steps, config.vocab_size)
+    else:
+        tokenizer = load_offline_tokenizer(paths["teacher"])
+    copy_data = []
+    if config.copy_warmup_sequences > 0:
+        special = set(tokenizer.all_special_ids)
+        ordinary_ids = [i for i in range(len(tokenizer)) if i not in special]
+        copy_data = copy_task_invocations(
+            config.copy_warmup_sequences, ordinary_ids, tokenizer.eos_token_id, seed=config.world_seed
+        )
+    expert_f1 = sum(t.f1 for t in trajectories) / len(trajectories)
+    _log(
+        f"[setup] world: {len(world.train)} training / {len(world.evaluation)} held-out questions, "
+        f"{len(world.world.corpus)} passages; expert F1 {expert_f1:.3f} on {len(trajectories)} of them; tokenizer of "
+        f"{len(tokenizer)} tokens ({time.perf_counter() - start:.1f} s)"
+    )
+    for role in ROLES:
+        if role not in roles:
+            continue
+        recipe = recipes[role]
+        num_questions = len(world.train) if role == "teacher" else recipe["warmup_questions"]
+        steps = [step for trajectory in trajectories[:num_questions] for step in trajectory.steps]
+        start = time.perf_counter()
+        model, losses = train_tiny_agent(
+            role, recipe["hidden_size"], recipe["layers"], expert_invocations(steps, tokenizer), copy_data,
+            recipe["epochs"], recipe["learning_rate"], tokenizer, config, seed=1 if role == "teacher" else 2,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+        scores = greedy_scores(model, tokenizer, world.env_factory, world.evaluation, **generation)
+        paths[role].mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(paths[role])
+        tokenizer.save_pretrained(paths[role])
+        tail = losses[-max(1, len(losses) // 20) :]
+        info = {
+            **scores,
+            "train_seconds": round(seconds, 1),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "expert_turns": len(steps),
+            "final_action_nll": sum(tail) / len(tail),
+            "recipe": recipe,
+            "eval_settings": eval_settings(world, **generation),
+        }
+        (paths[role] / SETUP_FILE).write_text(json.dumps(info, indent=2))
+        _log(
+            f"[setup] {role}: hidden {recipe['hidden_size']}, {recipe['layers']} layers "
+            f"({info['parameters'] / 1e6:.2f}M parameters), {len(steps)} expert turns, action NLL "
+            f"{info['final_action_nll']:.3f}, held-out F1 {scores['f1']:.3f} EM {scores['em']:.3f} ({seconds:.0f} s)"
+        )
+
+
+def _cached_recipe(path: Path) -> dict[str, Any] | None:
+    info = path / SETUP_FILE
+    return json.loads(info.read_text()).get("recipe") if info.exists() else None
+
+
+def _log(message: str) -> None:
+    if PartialState().is_main_process:
+        print(message, flush=True)

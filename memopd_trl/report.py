@@ -1,0 +1,126 @@
+"""The report of a comparison of arms over seeds: summary, markdown table, `results.json` and a plot of F1 curves.
+
+A run is a `dict` with its `arm`, `seed`, final held-out `f1` / `em` and `curve`, the `[step, f1, em]` of every greedy
+evaluation (step 0 is the start). The set-up, if any, maps a role (`"teacher"`, `"student_init"`) to its held-out
+`f1` / `em`.
+
+>>> from memopd_trl.report import format_table, summarize
+>>> runs = [{"arm": "ppo", "seed": s, "f1": f, "em": f, "curve": [[0, 0.1, 0.1], [2, f, f]]} for s, f in [(0, .2), (1, .4)]]
+>>> print(format_table(summarize(runs), setup={}))
+| model | held-out F1 | held-out EM | seeds |
+|---|---:|---:|---:|
+| ppo | 0.300 ± 0.141 | 0.300 ± 0.141 | 2 |
+"""
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def eval_curve(log_history: list[dict[str, Any]], start: dict[str, float]) -> list[list[float]]:
+    """
+    The held-out F1 / EM curve of a training run, from its trainer's `state.log_history`.
+
+    Args:
+        log_history (`list[dict]`): the trainer's logs; those with `eval_f1` are greedy evaluations.
+        start (`dict[str, float]`): the start's `f1` and `em`, the curve's step 0.
+
+    Returns:
+        `list[list[float]]`: `[step, f1, em]` per evaluation, step 0 first.
+    """
+    curve = [[0, start["f1"], start["em"]]]
+    return curve + [[e["step"], e["eval_f1"], e["eval_em"]] for e in log_history if "eval_f1" in e]
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """
+    Mean, standard deviation and per-seed values of the final F1 and EM of each arm, arms in their first order.
+
+    Returns:
+        `dict[str, dict]`: per arm, `f1_mean`, `f1_std`, `em_mean`, `em_std` (sample std, 0 for one seed) and
+        `f1_per_seed`.
+    """
+    summary = {}
+    for arm in dict.fromkeys(run["arm"] for run in runs):
+        f1 = [run["f1"] for run in runs if run["arm"] == arm]
+        em = [run["em"] for run in runs if run["arm"] == arm]
+        summary[arm] = {
+            "f1_mean": statistics.fmean(f1),
+            "f1_std": statistics.stdev(f1) if len(f1) > 1 else 0.0,
+            "em_mean": statistics.fmean(em),
+            "em_std": statistics.stdev(em) if len(em) > 1 else 0.0,
+            "f1_per_seed": f1,
+        }
+    return summary
+
+
+def format_table(summary: dict[str, dict[str, Any]], setup: dict[str, dict[str, Any]]) -> str:
+    """
+    A markdown table of held-out F1 / EM: the set-up's models first, then each arm's mean ± std over seeds.
+
+    Returns:
+        `str`: the table, one row per model.
+    """
+    lines = ["| model | held-out F1 | held-out EM | seeds |", "|---|---:|---:|---:|"]
+    for role in ("teacher", "student_init"):
+        if role in setup:
+            lines.append(f"| {role} | {setup[role]['f1']:.3f} | {setup[role]['em']:.3f} | - |")
+    for arm, s in summary.items():
+        n = len(s["f1_per_seed"])
+        lines.append(
+            f"| {arm} | {s['f1_mean']:.3f} ± {s['f1_std']:.3f} | {s['em_mean']:.3f} ± {s['em_std']:.3f} | {n} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_curves(runs: list[dict[str, Any]], setup: dict[str, dict[str, Any]], path: str | os.PathLike) -> None:
+    """
+    Plot held-out F1 against training step to `path`: one colour per arm (thin: each seed, thick: the mean over
+    seeds) and the teacher's F1 as a dashed line.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for index, arm in enumerate(dict.fromkeys(run["arm"] for run in runs)):
+        color = f"C{index}"
+        curves = [run["curve"] for run in runs if run["arm"] == arm]
+        for curve in curves:
+            ax.plot([c[0] for c in curve], [c[1] for c in curve], color=color, alpha=0.35, linewidth=1)
+        steps = sorted({c[0] for curve in curves for c in curve})
+        mean = [statistics.fmean(c[1] for curve in curves for c in curve if c[0] == s) for s in steps]
+        ax.plot(
+            steps, mean, color=color, linewidth=2.2, marker="o", markersize=3, label=f"{arm} ({len(curves)} seeds)"
+        )
+    if "teacher" in setup:
+        ax.axhline(setup["teacher"]["f1"], color="gray", linestyle="--", linewidth=1, label="teacher")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out F1 (greedy)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
+    """
+    Write `results.json` (`results` as given) and `eval_f1.png` to `output_dir`.
+
+    Args:
+        results (`dict`): holds at least `runs` and `setup` (see the module docstring), and `summary` from
+            [`summarize`].
+        output_dir (`str` or `os.PathLike`): an existing directory.
+
+    Returns:
+        `str`: the markdown table of [`format_table`].
+    """
+    output_dir = Path(output_dir)
+    (output_dir / "results.json").write_text(json.dumps(results, indent=2))
+    plot_curves(results["runs"], results["setup"], output_dir / "eval_f1.png")
+    return format_table(results["summary"], results["setup"])

@@ -1,0 +1,61 @@
+"""memopd_trl.report: the summary over seeds, the markdown table, results.json and the F1 plot."""
+
+import json
+import statistics
+
+import pytest
+
+from memopd_trl.report import eval_curve, format_table, plot_curves, summarize, write_report
+
+
+RUNS = [
+    {"arm": "ppo", "seed": 0, "f1": 0.2, "em": 0.1, "curve": [[0, 0.1, 0.0], [2, 0.2, 0.1]]},
+    {"arm": "memopd", "seed": 0, "f1": 0.5, "em": 0.4, "curve": [[0, 0.1, 0.0], [2, 0.5, 0.4]]},
+    {"arm": "ppo", "seed": 1, "f1": 0.4, "em": 0.3, "curve": [[0, 0.1, 0.0], [2, 0.4, 0.3]]},
+    {"arm": "memopd", "seed": 1, "f1": 0.7, "em": 0.6, "curve": [[0, 0.1, 0.0], [2, 0.7, 0.6]]},
+]
+SETUP = {"teacher": {"f1": 0.8, "em": 0.7}, "student_init": {"f1": 0.1, "em": 0.0}}
+
+
+def test_eval_curve_starts_at_step_zero_and_keeps_only_evaluations():
+    log_history = [
+        {"step": 1, "loss": 0.3},
+        {"step": 1, "eval_f1": 0.25, "eval_em": 0.2},
+        {"step": 2, "loss": 0.2},
+        {"step": 2, "eval_f1": 0.5, "eval_em": 0.4},
+    ]
+    assert eval_curve(log_history, {"f1": 0.1, "em": 0.0}) == [[0, 0.1, 0.0], [1, 0.25, 0.2], [2, 0.5, 0.4]]
+
+
+def test_summary_is_the_mean_and_sample_std_over_seeds_in_first_arm_order():
+    summary = summarize(RUNS)
+    assert list(summary) == ["ppo", "memopd"]
+    assert summary["ppo"]["f1_mean"] == pytest.approx(0.3)
+    assert summary["ppo"]["f1_std"] == pytest.approx(statistics.stdev([0.2, 0.4]))
+    assert summary["memopd"]["em_mean"] == pytest.approx(0.5)
+    assert summary["memopd"]["f1_per_seed"] == [0.5, 0.7]
+    (single,) = summarize(RUNS[:1]).values()
+    assert single["f1_std"] == 0.0 and single["em_std"] == 0.0
+
+
+def test_table_lists_the_setup_then_every_arm():
+    lines = format_table(summarize(RUNS), SETUP).splitlines()
+    assert lines[:2] == ["| model | held-out F1 | held-out EM | seeds |", "|---|---:|---:|---:|"]
+    assert lines[2] == "| teacher | 0.800 | 0.700 | - |"
+    assert lines[3] == "| student_init | 0.100 | 0.000 | - |"
+    assert lines[4] == "| ppo | 0.300 ± 0.141 | 0.200 ± 0.141 | 2 |"
+    assert lines[5].startswith("| memopd | 0.600 ± 0.141 |") and len(lines) == 6
+    assert len(format_table(summarize(RUNS), {}).splitlines()) == 4
+
+
+def test_write_report_writes_results_and_the_plot(tmp_path):
+    results = {"runs": RUNS, "setup": SETUP, "summary": summarize(RUNS), "seeds": [0, 1]}
+    table = write_report(results, tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert (tmp_path / "eval_f1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert table == format_table(results["summary"], SETUP)
+
+
+def test_plot_without_a_teacher(tmp_path):
+    plot_curves(RUNS[:1], {}, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
