@@ -10,9 +10,7 @@ its memory, the answer from its memory. A transformer trained from scratch on su
 plateau where it predicts the template words and guesses the names (~2 nats per action token), because copying needs
 an induction circuit (attend to the earlier occurrence of the current token, emit what followed it) that task data
 rewards only once it half works. [`copy_task_invocations`] is a warm-up that rewards nothing else: random token
-strings to repeat, before imitation. How much it helps is not established: in the offline default of
-`examples/hotpot.py` (~260 warm-up steps) the copy NLL only falls from ~6.6 (uniform over 768 tokens) to ~4.9 nats,
-short of copying; `--copy_warmup_sequences 0` there turns it off.
+strings to repeat, before imitation (what it was measured to do in the offline run: docs/results.md).
 """
 
 import math

@@ -1,12 +1,14 @@
-"""The main job, examples/hotpot.py: the smoke preset end to end, --help, and real mode on local checkpoints."""
+"""The main job, examples/hotpot.py: the smoke run end to end, --help, CLI errors, and real mode on local checkpoints."""
 
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from memopd_trl.modeling import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hotpot.py"
+SMOKE = ["--config", str(ROOT / "examples" / "smoke.yaml"), "--report_to", "none"]
 HOTPOT_SAMPLE = ROOT.parent / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
 
 
@@ -26,25 +29,70 @@ def hotpot():
     return module
 
 
-def test_smoke_preset_runs_every_arm_and_writes_results_and_plot(hotpot, tmp_path):
+def _run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_smoke_run_trains_every_arm_writes_results_and_never_touches_the_network(hotpot, tmp_path, monkeypatch):
+    connections = []
+
+    def refuse(sock, address):
+        connections.append(address)
+        raise OSError(f"network access to {address} in an offline run")
+
+    # Even with the Hub not marked offline, the offline run makes no connection.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
     out = tmp_path / "smoke"
-    summary = hotpot.main(["--preset", "smoke", "--output_dir", str(out), "--report_to", "none"])
+    summary = hotpot.main([*SMOKE, "--output_dir", str(out)])
+    assert connections == []
     results = json.loads((out / "results.json").read_text())
     assert [run["arm"] for run in results["runs"]] == ["ppo", "memopd", "memopd_persistent"]
-    assert all(0.0 <= run["f1"] <= 1.0 and run["curve"] for run in results["runs"])
+    assert all(0.0 <= run["f1"] <= 1.0 and [step for step, *_ in run["curve"]] == [0, 1, 2] for run in results["runs"])
     assert {"teacher", "student_init"} <= set(results["setup"]) and results["num_processes"] == 1
+    assert results["mode"] == "offline" and "smoke.yaml" in results["command"]
     assert (out / "eval_f1.png").stat().st_size > 0
     assert (out / "teacher" / "config.json").exists(), "the teacher is cached for reruns"
+    assert not (out / "seed-0").exists(), "arms that save nothing leave no empty folders behind"
     assert summary["runs"] == results["runs"]
 
 
-def test_help_lists_script_and_trainer_options():
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
-    )
+def test_help_shows_the_defaults_a_run_uses():
+    result = _run_script("--help")
     assert result.returncode == 0, result.stderr[-2000:]
-    for flag in ("--preset", "--dataset", "--arms", "--seeds", "--distill_coef", "--teacher_scoring", "--use_peft"):
-        assert flag in result.stdout, flag
+    text = " ".join(result.stdout.split())  # argparse wraps the help text
+    for flag in ("--config", "--dataset", "--arms", "--seeds", "--distill_coef", "--teacher_scoring", "--use_peft"):
+        assert flag in text, flag
+    # The offline run's values, not the dataclasses' (learning_rate 1e-06, max_steps -1, beta 0.5).
+    for flag, default in (("--learning_rate", "0.0003"), ("--max_steps", "160"), ("--beta", "1.0")):
+        help_of_flag = text.rsplit(f"{flag} {flag.upper()[2:]}", 1)[1][:400]  # the help, after the usage
+        assert f"(default: {default})" in help_of_flag, (flag, help_of_flag)
+    assert "only where a CUDA GPU is available" in text
+    assert "defaults to `True` if `fp16` is not set" not in text
+
+
+def test_a_mistyped_flag_is_one_line_naming_the_closest_flag():
+    result = _run_script("--lerning_rate", "1e-3")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "hotpot.py: error: unknown argument --lerning_rate; did you mean --learning_rate?"
+    ]
+
+
+def test_unknown_keys_of_a_config_file_are_named_too(hotpot, tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text("max_step: 3\n")
+    with pytest.raises(SystemExit, match="unknown argument --max_step; did you mean --max_steps"):
+        hotpot.main(["--config", str(config)])
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--model_name_or_path", "some/model", "--teacher_model_name_or_path", "some/teacher"]]
+)
+def test_a_missing_dataset_file_says_so_whatever_other_flags(hotpot, tmp_path, extra):
+    missing = tmp_path / "nope" / "hotpot_dev.json"
+    with pytest.raises(SystemExit, match=f"--dataset {missing}: no such file"):
+        hotpot.main(["--dataset", str(missing), *extra])
 
 
 def test_cpu_threads_default_to_the_cores_shared_among_local_processes(hotpot, monkeypatch):
@@ -64,23 +112,25 @@ def test_cpu_threads_default_to_the_cores_shared_among_local_processes(hotpot, m
 
 def test_unknown_arm_is_a_clear_error(hotpot, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        hotpot.main(["--preset", "smoke", "--arms", "ppo", "magic", "--output_dir", str(tmp_path)])
+        hotpot.main([*SMOKE, "--arms", "ppo", "magic", "--output_dir", str(tmp_path)])
     assert "invalid choice: 'magic'" in capsys.readouterr().err
 
 
 def test_dataset_without_models_is_a_clear_error(hotpot, tmp_path):
-    with pytest.raises(ValueError, match="--model_name_or_path"):
+    if not HOTPOT_SAMPLE.exists():
+        pytest.skip(f"HotpotQA sample not found at {HOTPOT_SAMPLE}")
+    with pytest.raises(SystemExit, match="--model_name_or_path"):
         hotpot.main(["--dataset", str(HOTPOT_SAMPLE), "--output_dir", str(tmp_path)])
 
 
 def test_memopd_arms_refuse_distill_coef_zero(hotpot, tmp_path):
-    with pytest.raises(ValueError, match="--distill_coef 0"):
-        hotpot.main(["--preset", "smoke", "--distill_coef", "0", "--output_dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--distill_coef 0"):
+        hotpot.main([*SMOKE, "--distill_coef", "0", "--output_dir", str(tmp_path)])
 
 
 def test_rerun_reuses_the_cached_teacher_and_student(hotpot, tmp_path, monkeypatch):
     out = tmp_path / "cache"
-    argv = ["--preset", "smoke", "--arms", "ppo", "--max_steps", "1", "--output_dir", str(out), "--report_to", "none"]
+    argv = [*SMOKE, "--arms", "ppo", "--max_steps", "1", "--output_dir", str(out)]
     evaluated_at = []
     evaluate = hotpot.MemOPDTrainer.evaluate
 
@@ -113,20 +163,22 @@ def test_real_mode_trains_local_checkpoints_on_a_local_hotpotqa_file(hotpot, tmp
         model = build_tiny_model(
             len(tiny_tokenizer), hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_id=tiny_tokenizer.eos_token_id,
-        )
+        )  # fmt: skip
         model.save_pretrained(tmp_path / name)
         tiny_tokenizer.save_pretrained(tmp_path / name)
     out = tmp_path / "real"
     summary = hotpot.main([
-        "--dataset", str(HOTPOT_SAMPLE), "--model_name_or_path", str(tmp_path / "student"),
-        "--teacher_model_name_or_path", str(tmp_path / "teacher"), "--arms", "memopd", "--max_steps", "1",
-        "--eval_steps", "1", "--max_turns", "2", "--max_new_tokens", "8", "--num_generations", "2",
+        "--config", str(ROOT / "examples" / "real.yaml"), "--dataset", str(HOTPOT_SAMPLE),
+        "--model_name_or_path", str(tmp_path / "student"), "--teacher_model_name_or_path", str(tmp_path / "teacher"),
+        "--dtype", "float32", "--arms", "memopd", "--max_steps", "1", "--eval_strategy", "steps", "--eval_steps", "1",
+        "--max_turns", "2", "--max_new_tokens", "8", "--max_prompt_length", "512", "--num_generations", "2",
         "--per_device_train_batch_size", "1", "--num_eval_questions", "2", "--output_dir", str(out),
-        "--report_to", "none", "--use_cpu", "--use_peft", "--lora_target_modules", "q_proj", "v_proj",
-    ])
+        "--report_to", "none", "--use_cpu", "true", "--use_peft", "--lora_target_modules", "q_proj", "v_proj",
+    ])  # fmt: skip
     (run,) = summary["runs"]
-    assert run["arm"] == "memopd" and run["curve"][-1][0] == 1
+    assert summary["mode"] == "real" and run["arm"] == "memopd" and run["curve"][-1][0] == 1
     assert (out / "results.json").exists()
     saved = out / "seed-0" / "memopd"
-    assert (saved / "adapter_config.json").exists(), "real mode saves each arm's model (LoRA adapters with --use_peft)"
+    assert (saved / "adapter_config.json").exists(), "real.yaml saves each arm's model (LoRA adapters with --use_peft)"
+    assert set(json.loads((saved / "adapter_config.json").read_text())["target_modules"]) == {"q_proj", "v_proj"}
     assert "MemOPD" in (saved / "README.md").read_text()
