@@ -563,3 +563,45 @@ def test_rollout_searches_real_hotpotqa_passages_within_the_prompt_limit(
         first, second = episode.invocations
         assert len(second.input_ids) <= 400
         assert records[0]["context"][0][1][0][:20] in tiny_tokenizer.decode(first.observation_ids)
+
+
+# ----- takeover: a second model finishes the episodes -----------------------------------------------------------------
+def _ids(episodes):
+    return [[(inv.input_ids, inv.output_ids) for inv in episode.invocations] for episode in episodes]
+
+
+def test_takeover_plays_the_first_model_before_the_turn_and_the_second_from_it(make_tiny_model, tiny_tokenizer):
+    first, second = (
+        RolloutEngine(make_tiny_model(seed=seed), tiny_tokenizer, factory(max_turns=3, max_malformed=3),
+                      max_new_tokens=8, temperature=0.7)
+        for seed in (1, 2)
+    )  # fmt: skip
+    own_first, _ = first.rollout(RECORDS, greedy=True)
+    own_second, _ = second.rollout(RECORDS, greedy=True)
+    assert _ids(own_first) != _ids(own_second), "the two models must act differently for the test to mean anything"
+    at_start, _ = first.rollout(RECORDS, greedy=True, takeover=second, takeover_turn=0)
+    assert _ids(at_start) == _ids(own_second)
+    never, _ = first.rollout(RECORDS, greedy=True, takeover=second, takeover_turn=3)
+    assert _ids(never) == _ids(own_first)
+
+    middle, _ = first.rollout(RECORDS, greedy=True, takeover=second, takeover_turn=1)
+    for episode, alone in zip(middle, own_first, strict=True):
+        assert episode.info["takeover_turn"] == 1 and episode.num_turns == 3
+        assert _ids([episode])[0][0] == _ids([alone])[0][0], "turn 0 is the first model's"
+        for invocation in episode.invocations[1:]:  # generated, and so recorded, by the second model
+            expected = rescored_logprobs(second.model, invocation, temperature=0.7)
+            torch.testing.assert_close(torch.tensor(invocation.logprobs), expected, atol=1e-4, rtol=0)
+            assert not torch.allclose(rescored_logprobs(first.model, invocation, 0.7), expected, atol=1e-3)
+
+
+def test_takeover_arguments_are_checked(tiny_model, tiny_tokenizer):
+    engine = RolloutEngine(tiny_model, tiny_tokenizer, factory(max_turns=2))
+    with pytest.raises(ValueError, match="`takeover_turn` was given without `takeover`"):
+        engine.rollout(RECORDS, takeover_turn=1)
+    with pytest.raises(ValueError, match="`takeover_turn` must be an int >= 0"):
+        engine.rollout(RECORDS, takeover=engine, takeover_turn=-1)
+    other_tokenizer = build_tokenizer([*CORPUS.values(), *(r["question"] for r in RECORDS)], vocab_size=300)
+    other = RolloutEngine(build_tiny_model(len(other_tokenizer), hidden_size=32, num_hidden_layers=1),
+                          other_tokenizer, factory(max_turns=2))  # fmt: skip
+    with pytest.raises(ValueError, match="`takeover` has another tokenizer"):
+        engine.rollout(RECORDS, takeover=other, takeover_turn=0)
