@@ -37,6 +37,8 @@ _EXPORTS = {
     "multi_answer_f1": "memopd_trl.metrics",
     "multi_answer_em": "memopd_trl.metrics",
     "make_multi_objective_tasks": "memopd_trl.envs.multi",
+    "teacher_takeover": "memopd_trl.diagnostics",
+    "expert_labels": "memopd_trl.diagnostics",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -73,3 +75,4 @@ if TYPE_CHECKING:
     from .trainer import MemOPDTrainer
     from .metrics import multi_answer_em, multi_answer_f1
     from .envs.multi import make_multi_objective_tasks
+    from .diagnostics import expert_labels, teacher_takeover

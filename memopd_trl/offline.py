@@ -37,8 +37,10 @@ from accelerate import PartialState
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from . import scoring  # noqa: F401  (registers the "memopd_sdpa_varlen" attention the tiny models use)
-from .envs.expert import expert_trajectories
+from .diagnostics import expert_labels
+from .envs.expert import MEMORY_MODES, SyntheticExpert, expert_trajectories
 from .envs.hotpot import HotpotQAEnv
+from .envs.multi import make_multi_objective_tasks
 from .envs.synthetic import NAME_SYLLABLES, SyntheticWorld, make_synthetic_world
 from .imitation import copy_task_invocations, expert_invocations, imitation_train
 from .modeling import build_tiny_model
@@ -73,6 +75,11 @@ class OfflineConfig:
             that no model was trained on).
         system_prompt (`str`, *optional*, defaults to `"Act."`):
             System prompt of the environment; a one-line prompt keeps the tiny models' contexts short.
+        num_sub_questions (`int`, *optional*, defaults to `1`):
+            Sub-questions per task. 1 asks single questions; k >= 2 joins k questions into one multi-objective task
+            (`make_multi_objective_tasks`), training tasks from training questions and held-out tasks from held-out
+            questions only, so that facts found early must be carried in memory. Such a task needs
+            `multi_objective_max_turns(k, retries=1)` turns (the expert retries a search that missed once).
 
     Parameters that control the models:
         vocab_size (`int`, *optional*, defaults to `768`):
@@ -87,6 +94,20 @@ class OfflineConfig:
             Layers of the student.
 
     Parameters that control the imitation:
+        pretrain_questions (`int`, *optional*, defaults to `0`):
+            Single questions (the world's skills: reading, copying, the action format) whose full-expert turns both
+            models imitate after the copy warm-up and before imitating their own expert on the tasks; 0 skips it.
+        pretrain_epochs (`float`, *optional*, defaults to `1.0`):
+            Epochs of that shared pretraining (each model at its own learning rate).
+        student_expert_memory (`str`, *optional*, defaults to `"full"`):
+            Memory of the expert the student start imitates: `"full"` (the teacher's expert), or a forgetful one,
+            `"latest"` (only the latest fact) or `"none"` (nothing), which plays the same searches and answer format.
+            A forgetful expert gives a student start that has the capabilities and lacks the memory policy; its traces
+            are played without mistakes (after a slip a forgetful expert loses its place and gives up).
+        dagger_questions (`int`, *optional*, defaults to `0`):
+            Training tasks whose student-visited states are labelled by the full expert and added to the teacher's
+            imitation data (DAgger-style: the teacher then also learns to act in the states a student reaches). The
+            student start plays them sampled at temperature 1; 0 turns it off.
         copy_warmup_sequences (`int`, *optional*, defaults to `16000`):
             Random strings to repeat before imitation (the copy warm-up of both models); 0 turns it off.
         copy_learning_rate (`float`, *optional*, defaults to `5e-3`):
@@ -136,6 +157,13 @@ class OfflineConfig:
             "help": "System prompt of the environment; a one-line prompt keeps the tiny models' contexts short."
         },
     )
+    num_sub_questions: int = field(
+        default=1,
+        metadata={"help": "Sub-questions per task. 1 asks single questions; k >= 2 joins k questions into one "
+                  "multi-objective task (training tasks from training questions, held-out tasks from held-out "
+                  "questions), so that facts found early must be carried in memory; such a task needs "
+                  "multi_objective_max_turns(k, retries=1) turns."},
+    )  # fmt: skip
 
     # Models
     vocab_size: int = field(default=768, metadata={"help": "Vocabulary size of the tokenizer trained on the world."})
@@ -145,6 +173,24 @@ class OfflineConfig:
     student_layers: int = field(default=2, metadata={"help": "Layers of the student."})
 
     # Imitation
+    pretrain_questions: int = field(
+        default=0,
+        metadata={"help": "Single questions whose full-expert turns both models imitate after the copy warm-up and "
+                  "before imitating their own expert on the tasks (the shared skills); 0 skips it."},
+    )  # fmt: skip
+    pretrain_epochs: float = field(
+        default=1.0, metadata={"help": "Epochs of the shared pretraining (each model at its own learning rate)."}
+    )
+    student_expert_memory: str = field(
+        default="full",
+        metadata={"help": "Memory of the expert the student start imitates: `full` (the teacher's), or a forgetful "
+                  "`latest` (only the latest fact) or `none` (nothing), with the same searches and answer format."},
+    )  # fmt: skip
+    dagger_questions: int = field(
+        default=0,
+        metadata={"help": "Training tasks whose student-visited states (sampled at temperature 1) are labelled by the "
+                  "full expert and added to the teacher's imitation data; 0 turns it off."},
+    )  # fmt: skip
     copy_warmup_sequences: int = field(
         default=16000,
         metadata={
@@ -183,6 +229,27 @@ class OfflineConfig:
                 raise ValueError(f"`{name}` must be > 0, got {getattr(self, name)}.")
         if not 0.0 <= self.expert_mistake_prob <= 1.0:
             raise ValueError(f"`expert_mistake_prob` must be in [0, 1], got {self.expert_mistake_prob}.")
+        if self.num_sub_questions < 1:
+            raise ValueError(f"`num_sub_questions` must be >= 1 (1 = single questions), got {self.num_sub_questions}.")
+        if self.num_sub_questions > min(self.num_train_questions, self.num_eval_questions):
+            raise ValueError(
+                f"`num_sub_questions` ({self.num_sub_questions}) exceeds `num_train_questions` or "
+                f"`num_eval_questions` ({self.num_train_questions}, {self.num_eval_questions}): no task can be made."
+            )
+        for name in ("pretrain_questions", "dagger_questions"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"`{name}` must be >= 0 (0 turns it off), got {getattr(self, name)}.")
+        if self.pretrain_questions > self.num_train_questions:
+            raise ValueError(
+                f"`pretrain_questions` ({self.pretrain_questions}) exceeds `num_train_questions` "
+                f"({self.num_train_questions}): pretraining uses training questions only."
+            )
+        if self.pretrain_epochs <= 0:
+            raise ValueError(f"`pretrain_epochs` must be > 0, got {self.pretrain_epochs}.")
+        if self.student_expert_memory not in MEMORY_MODES:
+            raise ValueError(
+                f"`student_expert_memory` must be one of {MEMORY_MODES}, got {self.student_expert_memory!r}."
+            )
         if self.student_warmup_questions < 1 or self.copy_warmup_sequences < 0:
             raise ValueError(
                 "`student_warmup_questions` must be >= 1 and `copy_warmup_sequences` >= 0, got "
@@ -197,6 +264,17 @@ class OfflineConfig:
         return {f.name: getattr(self, f.name) for f in fields(OfflineConfig)}
 
 
+# Options added after the first cached models: a recipe leaves them out at these defaults, so that the models of a
+# default config keep their recipe (and their cache) from before the options existed.
+_LATER_OPTION_DEFAULTS = {
+    "num_sub_questions": 1,
+    "pretrain_questions": 0,
+    "pretrain_epochs": 1.0,
+    "student_expert_memory": "full",
+    "dagger_questions": 0,
+}
+
+
 @dataclass
 class OfflineWorld:
     """
@@ -204,15 +282,32 @@ class OfflineWorld:
 
     Args:
         world (`SyntheticWorld`): the world (its records and passages).
-        train (`list[dict]`): the first `num_train_questions` records.
-        evaluation (`list[dict]`): the held-out records that follow them.
+        train (`list[dict]`): the training tasks: the first `num_train_questions` records, or with
+            `num_sub_questions=k >= 2` the multi-objective tasks made of them.
+        evaluation (`list[dict]`): the held-out tasks: the records that follow them, or the tasks made of those.
         env_factory (`Callable[[], HotpotQAEnv]`): makes one environment per episode, over the world's passages.
+        train_questions (`list[dict]`, *optional*): the single training questions (`train` when `k = 1`).
+        eval_questions (`list[dict]`, *optional*): the single held-out questions (`evaluation` when `k = 1`); their
+            greedy F1 measures a model's capability apart from its memory policy.
     """
 
     world: SyntheticWorld
     train: list[dict[str, Any]]
     evaluation: list[dict[str, Any]]
     env_factory: Callable[[], HotpotQAEnv]
+    train_questions: list[dict[str, Any]] | None = None
+    eval_questions: list[dict[str, Any]] | None = None
+
+    def __post_init__(self):
+        if self.train_questions is None:
+            self.train_questions = self.train
+        if self.eval_questions is None:
+            self.eval_questions = self.evaluation
+
+    @property
+    def multi_objective(self) -> bool:
+        """Whether the tasks are multi-objective (made of several single questions)."""
+        return self.train is not self.train_questions
 
     def env_settings(self) -> dict[str, Any]:
         """
@@ -225,6 +320,11 @@ class OfflineWorld:
 def make_offline_world(config: OfflineConfig, **env_kwargs) -> OfflineWorld:
     """
     Make the seeded synthetic world of `config` and an environment over its passages.
+
+    With `config.num_sub_questions = k >= 2` the tasks are multi-objective: `make_multi_objective_tasks` joins the
+    training questions into `num_train_questions // k` training tasks and, separately, the held-out questions into
+    `num_eval_questions // k` held-out tasks (seeded with `world_seed`), so no held-out task shares a question with
+    training. Give such an environment `max_turns >= multi_objective_max_turns(k, retries=1)`.
 
     Args:
         config (`OfflineConfig`): the world's size, seed and environment settings.
@@ -247,7 +347,13 @@ def make_offline_world(config: OfflineConfig, **env_kwargs) -> OfflineWorld:
         system_prompt=config.system_prompt,
         **env_kwargs,
     )
-    return OfflineWorld(world, world.records[:num_train], world.records[num_train:], env_factory)
+    train, evaluation = world.records[:num_train], world.records[num_train:]
+    k = config.num_sub_questions
+    if k == 1:
+        return OfflineWorld(world, train, evaluation, env_factory)
+    train_tasks = make_multi_objective_tasks(train, k=k, seed=config.world_seed)
+    eval_tasks = make_multi_objective_tasks(evaluation, k=k, seed=config.world_seed)
+    return OfflineWorld(world, train_tasks, eval_tasks, env_factory, train_questions=train, eval_questions=evaluation)
 
 
 def build_offline_tokenizer(
@@ -286,9 +392,11 @@ def train_tiny_agent(
     tokenizer: PreTrainedTokenizerFast,
     config: OfflineConfig,
     seed: int,
+    pretrain_data: list | None = None,
 ) -> tuple[PreTrainedModel, list[float]]:
     """
-    A tiny model from scratch: the copy warm-up on `copy_data` (if any), then imitation of `invocations`.
+    A tiny model from scratch: the copy warm-up on `copy_data` (if any), the shared pretraining on `pretrain_data`
+    (if any), then imitation of `invocations`.
 
     Args:
         role (`str`): label of the progress bars (`"teacher"`, `"student_init"`).
@@ -301,6 +409,8 @@ def train_tiny_agent(
         tokenizer (`PreTrainedTokenizerFast`): the world's tokenizer.
         config (`OfflineConfig`): the copy learning rate, batch size and context weight.
         seed (`int`): seed of the initial weights and the data order.
+        pretrain_data (`list[Invocation]`, *optional*): the full expert's single-question turns, imitated for
+            `config.pretrain_epochs` epochs at `learning_rate` before `invocations`; empty or `None` skips it.
 
     Returns:
         `tuple[PreTrainedModel, list[float]]`: the model (in eval mode) and the action NLL of every imitation step.
@@ -315,6 +425,11 @@ def train_tiny_agent(
         imitation_train(
             model, copy_data, learning_rate=config.copy_learning_rate, description=f"{role} copy warm-up", **common
         )
+    if pretrain_data:
+        imitation_train(
+            model, pretrain_data, epochs=config.pretrain_epochs, learning_rate=learning_rate,
+            context_weight=config.context_weight, description=f"{role} pretraining", **common,
+        )  # fmt: skip
     losses = imitation_train(
         model, invocations, epochs=epochs, learning_rate=learning_rate, context_weight=config.context_weight,
         description=f"{role} imitation", **common,
@@ -351,11 +466,22 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
     """
     Everything the cached teacher and student start depend on; a cache made with another recipe is rebuilt.
 
+    The options added after the first cached models (`num_sub_questions`, `pretrain_questions`, `pretrain_epochs`,
+    `student_expert_memory`, `dagger_questions`) are left out at their defaults, so a default config keeps the recipe
+    it had before they existed.
+
     Returns:
         `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the world's and the environment's settings and
-        that model's own (`hidden_size`, `layers`, `epochs`, `learning_rate`; the student's `warmup_questions`).
+        that model's own (`hidden_size`, `layers`, `epochs`, `learning_rate`; the student's `warmup_questions` and,
+        when forgetful, `expert_memory`). With `dagger_questions > 0` the teacher's recipe also holds the student's
+        (`dagger_student`): its imitation data comes from that student's states.
     """
-    shared = {key: value for key, value in config.settings().items() if not key.startswith(("teacher_", "student_"))}
+    settings = config.settings()
+    shared = {
+        key: value for key, value in settings.items()
+        if not key.startswith(("teacher_", "student_"))
+        and not (key in _LATER_OPTION_DEFAULTS and value == _LATER_OPTION_DEFAULTS[key])
+    }  # fmt: skip
     shared.update(world.env_settings())
     recipes = {}
     for role, prefix in (("teacher", "teacher_"), ("student_init", "student_")):
@@ -364,6 +490,10 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
             recipe[name] = getattr(config, prefix + name)
         recipes[role] = recipe
     recipes["student_init"]["warmup_questions"] = config.student_warmup_questions
+    if config.student_expert_memory != _LATER_OPTION_DEFAULTS["student_expert_memory"]:
+        recipes["student_init"]["expert_memory"] = config.student_expert_memory
+    if config.dagger_questions > 0:
+        recipes["teacher"]["dagger_student"] = dict(recipes["student_init"])
     return recipes
 
 
@@ -417,6 +547,14 @@ def prepare_offline_models(
     Only the main process trains; the others wait, then every process reads the cache. Each model is scored greedily
     on the held-out questions with `max_new_tokens` / `max_prompt_length`, the trainer's generation settings.
 
+    Both models get the copy warm-up and, with `pretrain_questions > 0`, the same pretraining on the full expert's
+    single-question turns (the capability). Then the teacher imitates the full expert on the training tasks and the
+    student start the expert of `student_expert_memory` on the first `student_warmup_questions` of them (the
+    policy). With multi-objective tasks (`num_sub_questions >= 2`) each model is also scored on the single held-out
+    questions (`single_f1` / `single_em`, its capability), beside `f1` / `em` on the held-out tasks (its policy).
+    With `dagger_questions > 0` the student start is built first and the full expert's labels of the states it
+    visits are added to the teacher's data (`dagger_turns` in the teacher's set-up).
+
     Args:
         config (`OfflineConfig`): the recipe of both models.
         world (`OfflineWorld`): the world [`make_offline_world`] made from `config`.
@@ -426,13 +564,16 @@ def prepare_offline_models(
 
     Returns:
         `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the content of its `memopd_setup.json`: held-out
-        `f1` / `em`, `train_seconds`, `parameters`, `expert_turns`, `final_action_nll`, `recipe`, `eval_settings`.
+        `f1` / `em`, `train_seconds`, `parameters`, `expert_turns`, `final_action_nll`, `recipe`, `eval_settings`;
+        with multi-objective tasks also `single_f1` / `single_em`, `pretrain_turns`, and the teacher's `dagger_turns`.
     """
-    if config.student_warmup_questions > len(world.train):
-        raise ValueError(
-            f"`student_warmup_questions` ({config.student_warmup_questions}) exceeds the world's "
-            f"{len(world.train)} training questions: lower it or raise `num_train_questions`."
-        )
+    tasks = "tasks" if world.multi_objective else "questions"
+    for name in ("student_warmup_questions", "dagger_questions"):
+        if getattr(config, name) > len(world.train):
+            raise ValueError(
+                f"`{name}` ({getattr(config, name)}) exceeds the world's {len(world.train)} training {tasks}: lower "
+                "it or raise `num_train_questions`."
+            )
     state = PartialState()
     recipes = offline_recipes(config, world)
     paths = {role: Path(output_dir) / role for role in ROLES}
@@ -465,15 +606,31 @@ def load_offline_model(path: str | os.PathLike) -> PreTrainedModel:
 
 
 def _build_models(config, world, paths, roles, recipes, generation) -> None:
-    """Train the models of `roles` (`"teacher"` first: it trains the tokenizer both share) and cache them."""
+    """
+    Train the models of `roles` and cache them. The tokenizer both share is trained when the teacher is rebuilt;
+    the teacher trains first, unless its data needs the student start's states (`dagger_questions > 0`).
+    """
     start = time.perf_counter()
+    expert = dict(env_factory=world.env_factory, mistake_prob=config.expert_mistake_prob, seed=config.world_seed)
     num_expert = len(world.train) if "teacher" in roles else config.student_warmup_questions
-    trajectories = expert_trajectories(
-        world.train[:num_expert], world.env_factory, mistake_prob=config.expert_mistake_prob, seed=config.world_seed
-    )
+    trajectories = expert_trajectories(world.train[:num_expert], **expert)
+    policy_steps = {"teacher": [step for trajectory in trajectories for step in trajectory.steps]}
+    student_trajectories = trajectories[: config.student_warmup_questions]
+    if config.student_expert_memory != "full":
+        # Played without mistakes: after a slip a forgetful expert has lost its place and gives up (it answers what
+        # it has), so its labels there would teach the start to give up, not to forget.
+        student_trajectories = expert_trajectories(
+            world.train[: config.student_warmup_questions], world.env_factory, memory=config.student_expert_memory
+        )
+    policy_steps["student_init"] = [step for trajectory in student_trajectories for step in trajectory.steps]
+    pretrain_steps = []
+    if config.pretrain_questions > 0:
+        pretrain = expert_trajectories(world.train_questions[: config.pretrain_questions], **expert)
+        pretrain_steps = [step for trajectory in pretrain for step in trajectory.steps]
     if "teacher" in roles:
-        steps = [step for trajectory in trajectories for step in trajectory.steps]
-        tokenizer = build_offline_tokenizer(world.world, steps, config.vocab_size)
+        # Multi-objective tasks: the single questions' turns too, so the tokenizer knows both kinds of task.
+        texts = pretrain_steps[:500] + policy_steps["teacher"] if world.multi_objective else policy_steps["teacher"]
+        tokenizer = build_offline_tokenizer(world.world, texts, config.vocab_size)
     else:
         tokenizer = load_offline_tokenizer(paths["teacher"])
     copy_data = []
@@ -483,31 +640,51 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         copy_data = copy_task_invocations(
             config.copy_warmup_sequences, ordinary_ids, tokenizer.eos_token_id, seed=config.world_seed
         )
+    pretrain_data = expert_invocations(pretrain_steps, tokenizer) if pretrain_steps else []
     expert_f1 = sum(t.f1 for t in trajectories) / len(trajectories)
+    forgetful = ""
+    if config.student_expert_memory != "full":
+        forgetful_f1 = sum(t.f1 for t in student_trajectories) / len(student_trajectories)
+        forgetful = f", the student's {config.student_expert_memory!r}-memory expert {forgetful_f1:.3f}"
     _log(
-        f"[setup] world: {len(world.train)} training / {len(world.evaluation)} held-out questions, "
-        f"{len(world.world.corpus)} passages; expert F1 {expert_f1:.3f} on {len(trajectories)} of them; tokenizer of "
-        f"{len(tokenizer)} tokens ({time.perf_counter() - start:.1f} s)"
+        f"[setup] world: {len(world.train)} training / {len(world.evaluation)} held-out "
+        f"{'tasks' if world.multi_objective else 'questions'}, {len(world.world.corpus)} passages; expert F1 "
+        f"{expert_f1:.3f} on {len(trajectories)} of them{forgetful}; {len(pretrain_steps)} shared pretraining turns; "
+        f"tokenizer of {len(tokenizer)} tokens ({time.perf_counter() - start:.1f} s)"
     )
-    for role in ROLES:
+    order = ("student_init", "teacher") if config.dagger_questions > 0 else ROLES
+    models = {}
+    for role in order:
         if role not in roles:
             continue
         recipe = recipes[role]
-        num_questions = len(world.train) if role == "teacher" else recipe["warmup_questions"]
-        steps = [step for trajectory in trajectories[:num_questions] for step in trajectory.steps]
+        steps = policy_steps[role]
+        info = {}
+        if role == "teacher" and config.dagger_questions > 0:
+            dagger_steps = _dagger_steps(models["student_init"], tokenizer, world, config, generation)
+            steps = steps + dagger_steps
+            info["dagger_turns"] = len(dagger_steps)
         start = time.perf_counter()
         model, losses = train_tiny_agent(
             role, recipe["hidden_size"], recipe["layers"], expert_invocations(steps, tokenizer), copy_data,
             recipe["epochs"], recipe["learning_rate"], tokenizer, config, seed=1 if role == "teacher" else 2,
+            pretrain_data=pretrain_data,
         )  # fmt: skip
         seconds = time.perf_counter() - start
+        models[role] = model
         scores = greedy_scores(model, tokenizer, world.env_factory, world.evaluation, **generation)
+        if world.multi_objective:
+            single = greedy_scores(model, tokenizer, world.env_factory, world.eval_questions, **generation)
+            info.update(single_f1=single["f1"], single_em=single["em"])
+        if pretrain_steps:
+            info["pretrain_turns"] = len(pretrain_steps)
         paths[role].mkdir(parents=True, exist_ok=True)
         model.save_pretrained(paths[role])
         tokenizer.save_pretrained(paths[role])
         tail = losses[-max(1, len(losses) // 20) :]
         info = {
             **scores,
+            **info,
             "train_seconds": round(seconds, 1),
             "parameters": sum(p.numel() for p in model.parameters()),
             "expert_turns": len(steps),
@@ -516,11 +693,24 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             "eval_settings": eval_settings(world, **generation),
         }
         (paths[role] / SETUP_FILE).write_text(json.dumps(info, indent=2))
+        single = f", single questions F1 {info['single_f1']:.3f}" if "single_f1" in info else ""
         _log(
             f"[setup] {role}: hidden {recipe['hidden_size']}, {recipe['layers']} layers "
             f"({info['parameters'] / 1e6:.2f}M parameters), {len(steps)} expert turns, action NLL "
-            f"{info['final_action_nll']:.3f}, held-out F1 {scores['f1']:.3f} EM {scores['em']:.3f} ({seconds:.0f} s)"
+            f"{info['final_action_nll']:.3f}, held-out F1 {scores['f1']:.3f} EM {scores['em']:.3f}{single} "
+            f"({seconds:.0f} s)"
         )
+
+
+def _dagger_steps(student, tokenizer, world, config, generation) -> list[tuple[list[dict[str, str]], str]]:
+    """The full expert's actions in the states the student start visits on the first `dagger_questions` tasks."""
+    engine = RolloutEngine(student, tokenizer, world.env_factory, temperature=1.0, **generation)
+    records = world.train[: config.dagger_questions]
+    with torch.random.fork_rng():
+        torch.manual_seed(config.world_seed)
+        episodes, _ = engine.rollout(records, num_generations=1)
+    expert = SyntheticExpert(world.env_factory().action_format, memory="full")
+    return expert_labels(engine, episodes, records, expert)
 
 
 def _cached_recipe(path: Path) -> dict[str, Any] | None:

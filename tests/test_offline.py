@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer
 
 from memopd_trl import MemOPDConfig, MemOPDTrainer
+from memopd_trl.envs.multi import multi_objective_max_turns
 from memopd_trl.envs.synthetic import NAME_SYLLABLES
 from memopd_trl.offline import (
     OfflineConfig,
@@ -28,6 +29,15 @@ TINY = dict(
     student_warmup_questions=8, student_epochs=0.5, imitation_tokens_per_batch=1024,
 )  # fmt: skip
 GENERATION = dict(max_new_tokens=12, max_prompt_length=512)
+# A memory-needing world: two sub-questions per task, a shared pretraining, a forgetful student expert, DAgger states.
+MULTI = dict(TINY, num_sub_questions=2, pretrain_questions=12, student_expert_memory="latest", dagger_questions=4)
+# The recipe of a model of the default config, as it was before the later options existed (the cache stays valid).
+DEFAULT_RECIPE_KEYS = {
+    "num_train_questions", "num_eval_questions", "world_seed", "comparison_fraction", "retrieval_top_k",
+    "max_malformed", "system_prompt", "vocab_size", "copy_warmup_sequences", "copy_learning_rate",
+    "expert_mistake_prob", "imitation_tokens_per_batch", "context_weight", "top_k", "max_turns", "hidden_size",
+    "layers", "epochs", "learning_rate",
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +57,16 @@ def test_config_rejects_bad_values_naming_the_field():
         OfflineConfig(expert_mistake_prob=1.5)
     with pytest.raises(ValueError, match="`teacher_epochs` must be > 0"):
         OfflineConfig(teacher_epochs=0)
+    with pytest.raises(ValueError, match="`num_sub_questions` must be >= 1"):
+        OfflineConfig(num_sub_questions=0)
+    with pytest.raises(ValueError, match="`student_expert_memory` must be one of"):
+        OfflineConfig(student_expert_memory="some")
+    with pytest.raises(ValueError, match="`dagger_questions` must be >= 0"):
+        OfflineConfig(dagger_questions=-1)
+    with pytest.raises(ValueError, match="`pretrain_questions` \\(7000\\) exceeds `num_train_questions`"):
+        OfflineConfig(pretrain_questions=7000)
+    with pytest.raises(ValueError, match="`pretrain_epochs` must be > 0"):
+        OfflineConfig(pretrain_epochs=0)
 
 
 def test_settings_are_the_config_fields_only_even_on_a_subclass():
@@ -148,3 +168,73 @@ def test_cached_start_scores_hold_only_under_the_same_settings(built):
     assert cached_start_scores(setup, world, **GENERATION) == {k: setup["student_init"][k] for k in ("f1", "em")}
     assert cached_start_scores(setup, world, max_new_tokens=10, max_prompt_length=512) is None
     assert cached_start_scores(setup, make_offline_world(config, max_turns=2), **GENERATION) is None
+
+
+def test_default_recipe_leaves_the_later_options_out():
+    config = OfflineConfig(**TINY)
+    recipes = offline_recipes(config, make_offline_world(config, max_turns=3))
+    assert set(recipes["teacher"]) == DEFAULT_RECIPE_KEYS
+    assert set(recipes["student_init"]) == DEFAULT_RECIPE_KEYS | {"warmup_questions"}
+    changed = offline_recipes(OfflineConfig(**MULTI), make_offline_world(OfflineConfig(**MULTI), max_turns=3))
+    assert changed["teacher"]["num_sub_questions"] == 2 and changed["student_init"]["expert_memory"] == "latest"
+    assert changed["teacher"]["dagger_student"] == changed["student_init"], "the teacher's data comes from it"
+    assert "expert_memory" not in changed["teacher"]
+
+
+def test_multi_objective_world_keeps_held_out_questions_out_of_training():
+    config = OfflineConfig(**MULTI)
+    world = make_offline_world(config, max_turns=multi_objective_max_turns(2, retries=1))
+    single = make_offline_world(OfflineConfig(**TINY), max_turns=3)
+    assert world.multi_objective and not single.multi_objective
+    assert world.train_questions == single.train and world.eval_questions == single.evaluation
+    assert len(world.train) == 12 and len(world.evaluation) == 2
+    train_ids = {record["_id"] for record in single.train}
+    assert all(len(task["sub_ids"]) == 2 and set(task["sub_ids"]) <= train_ids for task in world.train)
+    eval_ids = {record["_id"] for record in single.evaluation}
+    assert all(set(task["sub_ids"]) <= eval_ids for task in world.evaluation)
+    assert world.train[0]["question"].startswith("Question 1: ")
+
+
+@pytest.fixture(scope="module")
+def built_multi(tmp_path_factory):
+    config = OfflineConfig(**MULTI)
+    world = make_offline_world(config, max_turns=multi_objective_max_turns(2, retries=1))
+    out = tmp_path_factory.mktemp("offline_multi")
+    return config, world, out, prepare_offline_models(config, world, out, **GENERATION)
+
+
+def test_multi_objective_setup_reports_capability_and_policy(built_multi):
+    config, world, out, setup = built_multi
+    tokenizer = load_offline_tokenizer(out / "teacher")
+    for role in ("teacher", "student_init"):
+        info = setup[role]
+        assert info["recipe"] == offline_recipes(config, world)[role]
+        model = load_offline_model(out / role)
+        single = greedy_scores(model, tokenizer, world.env_factory, world.eval_questions, **GENERATION)
+        tasks = greedy_scores(model, tokenizer, world.env_factory, world.evaluation, **GENERATION)
+        assert (info["single_f1"], info["single_em"]) == (single["f1"], single["em"])
+        assert (info["f1"], info["em"]) == (tasks["f1"], tasks["em"])
+        assert info["eval_settings"]["questions"] == [task["_id"] for task in world.evaluation]
+        assert info["pretrain_turns"] > 0
+    # The teacher imitates the full expert on every training task and the full expert's labels of the student's
+    # states; the student start imitates the forgetful expert on its warm-up tasks.
+    assert setup["teacher"]["dagger_turns"] > 0
+    assert "dagger_turns" not in setup["student_init"]
+
+
+def test_dagger_teacher_is_rebuilt_when_its_student_changes(built_multi, tmp_path):
+    config, world, out, _ = built_multi
+    shutil.copytree(out, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    stamp = (cache / "teacher" / "model.safetensors").stat().st_mtime_ns
+    prepare_offline_models(config, world, cache, **GENERATION)
+    assert (cache / "teacher" / "model.safetensors").stat().st_mtime_ns == stamp
+    prepare_offline_models(dataclasses.replace(config, student_epochs=0.25), world, cache, **GENERATION)
+    assert (cache / "teacher" / "model.safetensors").stat().st_mtime_ns != stamp
+
+
+def test_too_many_dagger_tasks_is_a_clear_error(tmp_path):
+    config = OfflineConfig(**{**MULTI, "dagger_questions": 13})
+    world = make_offline_world(config, max_turns=3)
+    with pytest.raises(ValueError, match="`dagger_questions` \\(13\\) exceeds the world's 12 training tasks"):
+        prepare_offline_models(config, world, tmp_path)
