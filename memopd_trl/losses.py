@@ -8,7 +8,10 @@ below is the total number of sampled tokens in a batch.
   distributions, on materialized logits (same call and same values as TRL's `GKDTrainer.generalized_jsd_loss`).
 - [`chunked_generalized_jsd`]: the same divergence per action token, computed from hidden states and LM-head weights
   in token chunks, so the `(N, vocab_size)` logits of either model never exist at once. This is what the trainer uses.
-- [`ppo_clip_loss`], [`kl_penalty`], [`value_loss`]: the reinforcement-learning terms.
+- [`distillation_diagnostics`]: teacher confidence, argmax agreement, forward and reverse KL, student entropy per
+  action token, from the same chunked tiles (for logging).
+- [`ppo_clip_loss`], [`kl_penalty`], [`value_loss`]: the reinforcement-learning terms; [`sampled_kl_advantages`], the
+  per-token teacher reward `log q(a) - log p(a)` at the sampled token.
 - [`group_normalized_advantages`], [`gae_advantages`], [`broadcast_to_tokens`]: advantage estimators and helpers.
 
 [`chunked_generalized_jsd`] is this project's own rather than TRL's `ChunkedDivergenceFunction`: at 32k entries it
@@ -17,6 +20,7 @@ rather than a module constant (measurements and command: docs/benchmarks.md, "Di
 """
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -277,6 +281,69 @@ def _log_prob_tiles(student_hidden, student_head, teacher_hidden, teacher_head, 
         )
 
 
+def _head_tiles(
+    student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, temperature, chunk_size
+) -> tuple[torch.dtype, Iterator[tuple[slice, torch.Tensor, torch.Tensor]]]:
+    """
+    The dtype of the tiles and, chunk by chunk, the student's and the teacher's log-distributions in it (fp32, or
+    fp64 for fp64 inputs), from hidden states and LM heads: each head's matmul in its own compute dtype (the autocast
+    dtype under autocast, else the weight's), the softmax maths in the tile dtype, autocast off. What the forward of
+    the chunked divergence and [`distillation_diagnostics`] iterate over; one tile pair exists at a time.
+    """
+    student_dtype = _compute_dtype(student_hidden, student_weight)
+    teacher_dtype = _compute_dtype(teacher_hidden, teacher_weight)
+    tile_dtype = torch.promote_types(torch.promote_types(student_dtype, teacher_dtype), torch.float32)
+
+    def tiles():
+        with torch.autocast(student_hidden.device.type, enabled=False):
+            student_head = _cast_head(student_weight, student_bias, student_dtype)  # (V, H_s), (V,)
+            teacher_head = _cast_head(teacher_weight, teacher_bias, teacher_dtype)  # (V, H_t), (V,)
+            pairs = _log_prob_tiles(student_hidden, student_head, teacher_hidden, teacher_head, temperature, chunk_size)
+            for rows, student_log_probs, teacher_log_probs in pairs:
+                yield rows, student_log_probs.to(tile_dtype), teacher_log_probs.to(tile_dtype)
+
+    return tile_dtype, tiles()
+
+
+def _check_chunked_heads(
+    where: str,
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    student_bias: torch.Tensor | None,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    chunk_size: int,
+) -> None:
+    """The checks of the chunked teacher-student functions: shapes of both sides, one shared vocabulary, the chunk."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"{where}: `chunk_size` must be an integer >= 1, got {chunk_size!r}.")
+    if student_hidden.shape[0] != teacher_hidden.shape[0]:
+        raise ValueError(
+            f"{where}: `student_hidden` has {student_hidden.shape[0]} tokens but `teacher_hidden` has "
+            f"{teacher_hidden.shape[0]}; both must hold the same action positions in the same order."
+        )
+    for role, hidden, weight in (("student", student_hidden, student_weight), ("teacher", teacher_hidden, teacher_weight)):
+        for name, tensor in ((f"{role}_hidden", hidden), (f"{role}_weight", weight)):
+            if tensor.dim() != 2:
+                raise ValueError(f"{where}: `{name}` must be 2-D, got shape {tuple(tensor.shape)}.")
+        if hidden.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"{where}: `{role}_hidden` has hidden size {hidden.shape[1]} but `{role}_weight` expects "
+                f"{weight.shape[1]} (shape {tuple(weight.shape)})."
+            )
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(
+            f"{where}: the student LM head has {student_weight.shape[0]} vocabulary entries but the teacher's has "
+            f"{teacher_weight.shape[0]}; full-vocabulary distillation needs one shared tokenizer vocabulary."
+        )
+    for name, bias in (("student_bias", student_bias), ("teacher_bias", teacher_bias)):
+        if bias is not None and bias.shape != (student_weight.shape[0],):
+            raise ValueError(
+                f"{where}: `{name}` must have shape ({student_weight.shape[0]},), got {tuple(bias.shape)}."
+            )
+
+
 class _ChunkedGeneralizedJSD(torch.autograd.Function):
     """
     Per-token generalized JSD from hidden states and LM-head weights, one token chunk at a time.
@@ -300,24 +367,19 @@ class _ChunkedGeneralizedJSD(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
     ) -> torch.Tensor:
-        num_tokens = student_hidden.shape[0]
-        student_dtype = _compute_dtype(student_hidden, student_weight)
-        teacher_dtype = _compute_dtype(teacher_hidden, teacher_weight)
-        tile_dtype = torch.promote_types(torch.promote_types(student_dtype, teacher_dtype), torch.float32)
-        divergence = torch.empty(num_tokens, device=student_hidden.device, dtype=tile_dtype)  # (N,)
-        with torch.autocast(student_hidden.device.type, enabled=False):
-            student_head = _cast_head(student_weight, student_bias, student_dtype)  # (V, H_s), (V,)
-            teacher_head = _cast_head(teacher_weight, teacher_bias, teacher_dtype)  # (V, H_t), (V,)
-            tiles = _log_prob_tiles(student_hidden, student_head, teacher_hidden, teacher_head, temperature, chunk_size)
-            for rows, student_log_probs, teacher_log_probs in tiles:
-                divergence[rows] = _tile_divergence(
-                    student_log_probs.to(tile_dtype), teacher_log_probs.to(tile_dtype), beta
-                )
-                del student_log_probs, teacher_log_probs
+        tile_dtype, tiles = _head_tiles(
+            student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, temperature,
+            chunk_size,
+        )  # fmt: skip
+        divergence = torch.empty(student_hidden.shape[0], device=student_hidden.device, dtype=tile_dtype)  # (N,)
+        for rows, student_log_probs, teacher_log_probs in tiles:
+            divergence[rows] = _tile_divergence(student_log_probs, teacher_log_probs, beta)
+            del student_log_probs, teacher_log_probs
         ctx.save_for_backward(
             student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias
         )
-        ctx.settings = (beta, temperature, chunk_size, student_dtype, teacher_dtype)
+        student_dtype = _compute_dtype(student_hidden, student_weight)
+        ctx.settings = (beta, temperature, chunk_size, student_dtype, _compute_dtype(teacher_hidden, teacher_weight))
         return divergence
 
     @staticmethod
@@ -422,32 +484,9 @@ def chunked_generalized_jsd(
     """
     where = "chunked_generalized_jsd"
     _check_beta_temperature(beta, temperature, where)
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"{where}: `chunk_size` must be an integer >= 1, got {chunk_size!r}.")
-    if student_hidden.shape[0] != teacher_hidden.shape[0]:
-        raise ValueError(
-            f"{where}: `student_hidden` has {student_hidden.shape[0]} tokens but `teacher_hidden` has "
-            f"{teacher_hidden.shape[0]}; both must hold the same action positions in the same order."
-        )
-    for role, hidden, weight in (("student", student_hidden, student_weight), ("teacher", teacher_hidden, teacher_weight)):
-        for name, tensor in ((f"{role}_hidden", hidden), (f"{role}_weight", weight)):
-            if tensor.dim() != 2:
-                raise ValueError(f"{where}: `{name}` must be 2-D, got shape {tuple(tensor.shape)}.")
-        if hidden.shape[1] != weight.shape[1]:
-            raise ValueError(
-                f"{where}: `{role}_hidden` has hidden size {hidden.shape[1]} but `{role}_weight` expects "
-                f"{weight.shape[1]} (shape {tuple(weight.shape)})."
-            )
-    if student_weight.shape[0] != teacher_weight.shape[0]:
-        raise ValueError(
-            f"{where}: the student LM head has {student_weight.shape[0]} vocabulary entries but the teacher's has "
-            f"{teacher_weight.shape[0]}; full-vocabulary distillation needs one shared tokenizer vocabulary."
-        )
-    for name, bias in (("student_bias", student_bias), ("teacher_bias", teacher_bias)):
-        if bias is not None and bias.shape != (student_weight.shape[0],):
-            raise ValueError(
-                f"{where}: `{name}` must have shape ({student_weight.shape[0]},), got {tuple(bias.shape)}."
-            )
+    _check_chunked_heads(
+        where, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, chunk_size
+    )
     return _ChunkedGeneralizedJSD.apply(
         student_hidden,
         student_weight,
@@ -459,6 +498,112 @@ def chunked_generalized_jsd(
         float(temperature),
         chunk_size,
     )
+
+
+DIAGNOSTICS = ("teacher_confidence", "agreement", "forward_kl", "reverse_kl", "student_entropy")
+
+
+def _tile_diagnostics(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor) -> list[torch.Tensor]:
+    """The per-token values of [`DIAGNOSTICS`], in that order, from one tile of log-distributions `(chunk, V)`."""
+    student_probs = student_log_probs.exp()  # (chunk, V)
+    teacher_max, teacher_argmax = teacher_log_probs.max(-1)  # (chunk,), (chunk,)
+    log_ratio = teacher_log_probs - student_log_probs  # log p_t - log p_s, (chunk, V)
+    return [
+        teacher_max.exp(),
+        (teacher_argmax == student_log_probs.argmax(-1)).to(log_ratio.dtype),
+        (teacher_log_probs.exp() * log_ratio).sum(-1),  # KL(p_t || p_s)
+        -(student_probs * log_ratio).sum(-1),  # KL(p_s || p_t)
+        -(student_probs * student_log_probs).sum(-1),
+    ]
+
+
+@torch.no_grad()
+def distillation_diagnostics(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> dict[str, torch.Tensor]:
+    """
+    How the teacher's and the student's next-token distributions compare at each action token, over the full
+    vocabulary, in one chunked pass (no gradient; the same tiles as [`chunked_generalized_jsd`]).
+
+    With `p_s`, `p_t` the student's and the teacher's distributions at `temperature`, per token:
+
+    - `"teacher_confidence"`: `max p_t`, the teacher's probability of its own most likely token;
+    - `"agreement"`: 1.0 where `argmax p_t == argmax p_s`, else 0.0;
+    - `"forward_kl"`: KL(p_t || p_s), what `beta=0` distillation minimizes;
+    - `"reverse_kl"`: KL(p_s || p_t), what `beta=1` distillation minimizes;
+    - `"student_entropy"`: the entropy of `p_s`.
+
+    Takes the arguments of [`chunked_generalized_jsd`] (without `beta`) and checks them the same way.
+
+    Returns:
+        `dict[str, torch.Tensor]`: the names of `DIAGNOSTICS`, each a detached tensor of shape `(num_tokens,)`, fp32
+        (fp64 for fp64 inputs).
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl.losses import distillation_diagnostics
+    >>> hidden, weight = torch.randn(5, 8), torch.randn(32, 8)
+    >>> values = distillation_diagnostics(hidden, weight, hidden, weight, chunk_size=2)
+    >>> values["agreement"].tolist(), values["forward_kl"].abs().max().item() < 1e-6
+    ([1.0, 1.0, 1.0, 1.0, 1.0], True)
+    ```
+    """
+    where = "distillation_diagnostics"
+    _check_beta_temperature(0.0, temperature, where)
+    _check_chunked_heads(
+        where, student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, chunk_size
+    )
+    tile_dtype, tiles = _head_tiles(
+        student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, temperature,
+        chunk_size,
+    )  # fmt: skip
+    values = torch.empty(len(DIAGNOSTICS), student_hidden.shape[0], device=student_hidden.device, dtype=tile_dtype)
+    for rows, student_log_probs, teacher_log_probs in tiles:
+        for i, value in enumerate(_tile_diagnostics(student_log_probs, teacher_log_probs)):
+            values[i, rows] = value
+        del student_log_probs, teacher_log_probs
+    return dict(zip(DIAGNOSTICS, values, strict=True))
+
+
+def sampled_kl_advantages(teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """
+    Per-token reward of on-policy distillation with sampled tokens: `log q(a) - log p(a)` at each sampled action `a`,
+    with `q` the teacher and `p` the policy that sampled it.
+
+    It is minus a one-sample estimate of the reverse KL(p || q) at that token: its mean under `p`'s sampling is
+    `-KL(p || q)`, 0 exactly when the two distributions agree. Added (times a coefficient) to each token's PPO
+    advantage, it pushes the policy up where the teacher likes the sampled token more than the policy did and down
+    where less. Both log-probs must be taken at the same temperature (the sampling one) for that mean to hold.
+
+    Args:
+        teacher_logprobs (`torch.Tensor` of shape `(num_tokens,)`):
+            The teacher's log-probability of each sampled token.
+        old_logprobs (`torch.Tensor` of shape `(num_tokens,)`):
+            The sampling log-probability of the same tokens (recorded at rollout time).
+
+    Returns:
+        `torch.Tensor` of shape `(num_tokens,)`, detached: `teacher_logprobs - old_logprobs`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl.losses import sampled_kl_advantages
+    >>> sampled_kl_advantages(torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])).tolist()
+    [1.0, -2.0]
+    ```
+    """
+    _check_same_1d("sampled_kl_advantages", teacher_logprobs=teacher_logprobs, old_logprobs=old_logprobs)
+    return (teacher_logprobs.detach() - old_logprobs.detach()).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ from hypothesis import strategies as st
 from memopd_trl.losses import (
     broadcast_to_tokens,
     chunked_generalized_jsd,
+    distillation_diagnostics,
     gae_advantages,
     generalized_jsd_loss,
     group_normalized_advantages,
     kl_penalty,
     ppo_clip_loss,
+    sampled_kl_advantages,
     value_loss,
 )
 
@@ -319,6 +321,54 @@ def test_chunked_generalized_jsd_rejects_bad_arguments(change, message):
     inputs = {**lm_head_inputs(), **change}
     with pytest.raises(ValueError, match=message):
         chunked_generalized_jsd(**inputs)
+
+
+def materialized_diagnostics(student_logits, teacher_logits) -> dict[str, torch.Tensor]:
+    """The diagnostics written out plainly on `(N, V)` logits at T=1."""
+    p_s, p_t = student_logits.softmax(-1), teacher_logits.softmax(-1)
+    log_p_s, log_p_t = student_logits.log_softmax(-1), teacher_logits.log_softmax(-1)
+    return {
+        "teacher_confidence": p_t.max(-1).values,
+        "agreement": (p_t.argmax(-1) == p_s.argmax(-1)).to(p_s.dtype),
+        "forward_kl": torch.nn.functional.kl_div(log_p_s, log_p_t, log_target=True, reduction="none").sum(-1),
+        "reverse_kl": torch.nn.functional.kl_div(log_p_t, log_p_s, log_target=True, reduction="none").sum(-1),
+        "student_entropy": torch.distributions.Categorical(logits=student_logits).entropy(),
+    }
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1024])
+def test_distillation_diagnostics_equal_the_materialized_quantities(chunk_size):
+    inputs = {k: v.detach() for k, v in lm_head_inputs(9, 6, 6, vocab_size=31, seed=7).items()}
+    # A teacher near the student on the first tokens, so that the argmaxes agree there and differ elsewhere.
+    inputs["teacher_weight"] = inputs["student_weight"] + 0.1 * inputs["teacher_weight"]
+    inputs["teacher_hidden"][:5] = inputs["student_hidden"][:5] + 0.1 * inputs["teacher_hidden"][:5]
+    ours = distillation_diagnostics(**inputs, chunk_size=chunk_size)
+    student_logits = inputs["student_hidden"] @ inputs["student_weight"].T + inputs["student_bias"]  # (N, V)
+    teacher_logits = inputs["teacher_hidden"] @ inputs["teacher_weight"].T + inputs["teacher_bias"]  # (N, V)
+    reference = materialized_diagnostics(student_logits, teacher_logits)
+    assert list(ours) == list(reference)
+    for name, values in reference.items():
+        torch.testing.assert_close(ours[name], values, rtol=1e-10, atol=1e-12, msg=name)
+    assert 0 < ours["agreement"].sum() < 9, "the inputs should hold tokens where the argmaxes agree and where not"
+    # The KLs are the endpoints of the divergence the loss uses.
+    torch.testing.assert_close(ours["forward_kl"], chunked_generalized_jsd(**inputs, beta=0.0))
+    torch.testing.assert_close(ours["reverse_kl"], chunked_generalized_jsd(**inputs, beta=1.0))
+
+
+def test_distillation_diagnostics_check_their_inputs_and_take_no_gradient():
+    inputs = lm_head_inputs()
+    assert all(not v.requires_grad for v in distillation_diagnostics(**inputs).values())
+    with pytest.raises(ValueError, match="distillation_diagnostics: the student LM head has 23"):
+        distillation_diagnostics(**{**inputs, "teacher_weight": torch.zeros(24, 5, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="chunk_size"):
+        distillation_diagnostics(**inputs, chunk_size=0)
+
+
+def test_sampled_kl_advantages_are_teacher_minus_sampling_logprobs():
+    teacher, old = torch.tensor([-0.5, -2.0, -1.0]), torch.tensor([-1.0, -1.0, -1.0])
+    assert sampled_kl_advantages(teacher, old).tolist() == [0.5, -1.0, 0.0]
+    with pytest.raises(ValueError, match="`old_logprobs` has 2 entries"):
+        sampled_kl_advantages(teacher, old[:2])
 
 
 # ----------------------------------------------------------------------------------------------------------------------
