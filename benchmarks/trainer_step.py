@@ -1,10 +1,15 @@
-"""Per-step time split of MemOPDTrainer (rollout / teacher scoring / actor update), aligned vs persistent scoring.
+"""Per-step time split of MemOPDTrainer (rollout / teacher scoring / actor update / audit), by arm.
 
 Tiny offline setup: a synthetic world, a local tokenizer, random tiny Qwen2 student and teacher. Random models write
 malformed actions, so every episode runs `--max_turns` turns: the contexts a persistent history grows are the longest
 this setup can produce, which is the case where persistent scoring costs the teacher most.
 
+Arms (`--arms`): `aligned` and `persistent` teacher scoring with the diagnostics and the audit off;
+`aligned+diagnostics` (the `distill/*` metrics, computed in the actor step); `aligned+audit` (the alignment audit at
+every step, `audit_steps=1`, timed as `time/audit`).
+
     python benchmarks/trainer_step.py --steps 6
+    python benchmarks/trainer_step.py --steps 5 --arms aligned aligned+diagnostics aligned+audit
 """
 
 import argparse
@@ -23,6 +28,14 @@ from memopd_trl.modeling import build_tiny_model  # noqa: E402
 from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
 
 
+ARMS = {
+    "aligned": dict(teacher_scoring="aligned", distill_diagnostics=False, audit_steps=0),
+    "persistent": dict(teacher_scoring="persistent", distill_diagnostics=False, audit_steps=0),
+    "aligned+diagnostics": dict(teacher_scoring="aligned", distill_diagnostics=True, audit_steps=0),
+    "aligned+audit": dict(teacher_scoring="aligned", distill_diagnostics=False, audit_steps=1),
+}
+
+
 def run(arm: str, args, world, tokenizer) -> dict[str, float]:
     def model(hidden, layers, seed):
         return build_tiny_model(
@@ -35,7 +48,7 @@ def run(arm: str, args, world, tokenizer) -> dict[str, float]:
         config = MemOPDConfig(
             output_dir=out, use_cpu=True, report_to="none", max_steps=args.steps, save_strategy="no",
             per_device_train_batch_size=args.questions, num_generations=args.num_generations,
-            max_new_tokens=args.max_new_tokens, teacher_scoring=arm, logging_steps=1, disable_tqdm=True, seed=0,
+            max_new_tokens=args.max_new_tokens, logging_steps=1, disable_tqdm=True, seed=0, **ARMS[arm],
         )
         trainer = MemOPDTrainer(
             model=model(args.student_hidden, 2, 0),
@@ -51,8 +64,8 @@ def run(arm: str, args, world, tokenizer) -> dict[str, float]:
             warnings.simplefilter("ignore")
             trainer.train()
     logs = [e for e in trainer.state.log_history if "time/rollout" in e][1:]  # drop the warm-up step
-    keys = ["time/rollout", "time/teacher", "time/actor", "context_tokens_per_invocation", "packing/fill"]
-    return {key: statistics.median(e[key] for e in logs) for key in keys}
+    keys = ["time/rollout", "time/teacher", "time/actor", "time/audit", "context_tokens_per_invocation", "packing/fill"]
+    return {key: statistics.median(e.get(key, 0.0) for e in logs) for key in keys}
 
 
 def main():
@@ -65,22 +78,24 @@ def main():
     parser.add_argument("--student_hidden", type=int, default=64, help="Student width.")
     parser.add_argument("--teacher_hidden", type=int, default=128, help="Teacher width.")
     parser.add_argument("--attn_implementation", default="memopd_sdpa_varlen", help="Attention of both models.")
+    parser.add_argument("--arms", nargs="+", default=["aligned", "persistent"], choices=list(ARMS), help="Arms to time.")
     args = parser.parse_args()
 
     import memopd_trl.scoring  # noqa: F401  (registers the varlen sdpa attention)
 
     world = make_synthetic_world(64, seed=0)
     tokenizer = build_tokenizer(world.texts(), vocab_size=1024)
-    results = {arm: run(arm, args, world, tokenizer) for arm in ("aligned", "persistent")}
-    print("| teacher scoring | rollout s | teacher s | actor s | context tokens / invocation | packing fill |")
-    print("|---|---:|---:|---:|---:|---:|")
+    results = {arm: run(arm, args, world, tokenizer) for arm in args.arms}
+    print("| arm | rollout s | teacher s | actor s | audit s | context tokens / invocation | packing fill |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for arm, r in results.items():
         print(
             f"| {arm} | {r['time/rollout']:.3f} | {r['time/teacher']:.3f} | {r['time/actor']:.3f} "
-            f"| {r['context_tokens_per_invocation']:.0f} | {r['packing/fill']:.2f} |"
+            f"| {r['time/audit']:.3f} | {r['context_tokens_per_invocation']:.0f} | {r['packing/fill']:.2f} |"
         )
-    ratio = results["persistent"]["time/teacher"] / results["aligned"]["time/teacher"]
-    print(f"\nteacher time, persistent / aligned: {ratio:.2f}x")
+    if {"aligned", "persistent"} <= set(results):
+        ratio = results["persistent"]["time/teacher"] / results["aligned"]["time/teacher"]
+        print(f"\nteacher time, persistent / aligned: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

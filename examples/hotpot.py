@@ -58,10 +58,6 @@ OFFLINE_DEFAULTS = dict(
     # Without `use_cpu`, processes that `accelerate launch` starts on a machine without GPUs would each run alone.
     use_cpu=not torch.accelerator.is_available(),
 )  # fmt: skip
-BF16_HELP = (
-    "Whether to train in bf16 mixed precision. Left unset (`null` in a --config file) it is on only where a CUDA GPU "
-    "is available and --use_cpu is off; the offline run keeps it off."
-)
 
 
 @dataclass
@@ -108,7 +104,6 @@ def parse_args(argv: list[str] | None) -> tuple[ScriptArguments, MemOPDConfig, M
     """Parse the command line (over a `--config` YAML file, over the offline defaults) and check what it asks for."""
     parser = TrlParser((ScriptArguments, MemOPDConfig, ModelArguments))
     parser.set_defaults(**OFFLINE_DEFAULTS)
-    parser._option_string_actions["--bf16"].help = BF16_HELP  # TRL's text says bf16 defaults on, which is not so here
     try:
         args, config, model_args, unknown = parser.parse_args_and_config(argv, return_remaining_strings=True)
     except ValueError as error:  # a value a config rejects

@@ -31,6 +31,12 @@ class MemOPDConfig(_BaseConfig):
     works as it is on a CPU-only machine.
 
     Parameters:
+        > Parameters that control the precision
+
+        bf16 (`bool`, *optional*):
+            Whether to train in bf16 mixed precision. Left unset (`None`) it is on only where a CUDA GPU is available
+            and neither `use_cpu` nor `fp16` is set.
+
         > Parameters that control the models
 
         model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
@@ -107,6 +113,11 @@ class MemOPDConfig(_BaseConfig):
             `"aligned"`: the teacher scores each action in the exact context the student sampled it in (MemOPD).
             `"persistent"`: the teacher scores each action under the episode flattened into one growing history
             (the matched control).
+        sampled_kl_coef (`float`, *optional*, defaults to `0.0`):
+            Weight of the sampled-token reverse-KL advantage: `sampled_kl_coef * (log q(a) - log p(a))` is added to
+            each action token's PPO advantage, with `q` the teacher and `p` the rollout policy at the sampled token
+            `a`, both at the sampling `temperature`. 0 disables it; it needs a teacher and `ppo_coef > 0`, and can be
+            used beside the full-vocabulary distillation loss or instead of it (`distill_coef=0`).
         kl_coef (`float`, *optional*, defaults to `0.0`):
             Weight of a KL penalty to the student's initial weights (a frozen reference copy); 0 disables it.
         epsilon (`float`, *optional*, defaults to `0.2`):
@@ -139,6 +150,18 @@ class MemOPDConfig(_BaseConfig):
             Token budget of one packed row; whole invocations are packed into rows, never split.
         logit_chunk_size (`int`, *optional*, defaults to `1024`):
             Action tokens per chunk when applying the LM heads, which bounds peak memory by chunk x vocabulary.
+
+        > Parameters that control the diagnostics
+
+        distill_diagnostics (`bool`, *optional*, defaults to `True`):
+            Whether to log, at every update where the teacher scores, `distill/teacher_confidence`,
+            `distill/agreement`, `distill/forward_kl`, `distill/reverse_kl` and `distill/student_entropy` (each also
+            over the tokens of rewarded and of unrewarded episodes), from one extra chunked pass over both LM heads
+            at the action tokens without gradients.
+        audit_steps (`int`, *optional*, defaults to `10`):
+            With `teacher_scoring="aligned"`, every `audit_steps` steps the teacher also scores the same actions under
+            the flattened persistent history, and `misalignment/kl_turn_{k}` logs its KL(aligned || persistent) by
+            turn. Costs one extra teacher forward on the persistent rows on those steps. 0 disables it.
     """
 
     _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + ["model_init_kwargs", "teacher_model_init_kwargs"]
@@ -162,6 +185,13 @@ class MemOPDConfig(_BaseConfig):
     )
     per_device_train_batch_size: int = field(
         default=2, metadata={"help": "Questions per device per rollout; each is played `num_generations` times."}
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Whether to train in bf16 mixed precision. Left unset (`null` in a TrlParser --config file) it is on only "
+            "where a CUDA GPU is available and neither `use_cpu` nor `fp16` is set."
+        },
     )
 
     # Models
@@ -271,6 +301,14 @@ class MemOPDConfig(_BaseConfig):
             "choices": ["aligned", "persistent"],
         },
     )
+    sampled_kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the sampled-token reverse-KL advantage `log q(a) - log p(a)` (teacher q, rollout "
+            "policy p, sampled token a, at the sampling temperature) added to each token's PPO advantage; 0 = off. "
+            "Needs a teacher and `ppo_coef` > 0."
+        },
+    )
     kl_coef: float = field(
         default=0.0, metadata={"help": "Weight of a KL penalty to a frozen copy of the initial student (0 = off)."}
     )
@@ -312,6 +350,23 @@ class MemOPDConfig(_BaseConfig):
         default=1024, metadata={"help": "Action tokens per chunk when applying LM heads (bounds peak memory)."}
     )
 
+    # Diagnostics
+    distill_diagnostics: bool = field(
+        default=True,
+        metadata={
+            "help": "Log teacher confidence, argmax agreement, forward/reverse KL and student entropy at the action "
+            "tokens (`distill/*`, also split by rewarded/unrewarded episodes) at every update where the teacher scores."
+        },
+    )
+    audit_steps: int = field(
+        default=10,
+        metadata={
+            "help": "With aligned teacher scoring, every this many steps the teacher also scores the actions under the "
+            "persistent history and `misalignment/kl_turn_{k}` logs the KL between the two (one extra teacher forward "
+            "then). 0 = off."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 is None:
             # TRL's base turns bf16 on by default, which fails on a CPU-only machine; only do so where it is safe.
@@ -323,11 +378,20 @@ class MemOPDConfig(_BaseConfig):
         def bad(name: str, allowed: str):
             raise ValueError(f"`{name}` must be {allowed}, got {getattr(self, name)!r}.")
 
-        for name in ("distill_coef", "ppo_coef", "kl_coef", "vf_coef", "epsilon", "cliprange_value"):
+        for name in (
+            "distill_coef", "ppo_coef", "kl_coef", "vf_coef", "epsilon", "cliprange_value", "sampled_kl_coef",
+            "audit_steps",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 bad(name, ">= 0")
         if self.distill_coef == 0 and self.ppo_coef == 0:
             raise ValueError("`distill_coef` and `ppo_coef` are both 0: there is nothing to train.")
+        if self.sampled_kl_coef > 0 and self.ppo_coef == 0:
+            raise ValueError(
+                f"`sampled_kl_coef` ({self.sampled_kl_coef}) adds to the PPO advantages, but `ppo_coef` is 0, so they "
+                "are never used: set `ppo_coef` > 0, or `sampled_kl_coef=0` (and `distill_coef` > 0 for pure "
+                "distillation)."
+            )
         if not 0.0 <= self.beta <= 1.0:
             bad("beta", "in [0, 1]")
         if self.epsilon_high is not None and self.epsilon_high < 0:

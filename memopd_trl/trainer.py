@@ -9,9 +9,12 @@ One training step, top to bottom (`_prepare_inputs`, then `compute_loss`):
    rows, one per action token;
 4. teacher scoring (`_score`, no grad): the teacher's hidden states at every action position, in the exact context the
    student sampled it in (`teacher_scoring="aligned"`), or under the flattened history (`"persistent"`, the control);
+   with `sampled_kl_coef > 0`, the teacher's log-prob of each sampled token joins the advantages; every
+   `audit_steps` steps the aligned teacher also scores under the flattened history (`_audit_alignment`, logged only);
    and the reference model's log-probs when `kl_coef > 0`;
 5. student forward on the same packed rows (`_student_loss`), then
-   `loss = distill_coef * GJSD(teacher || student) + ppo_coef * PPO-clip (+ kl_coef * KL + vf_coef * value loss)`.
+   `loss = distill_coef * GJSD(teacher || student) + ppo_coef * PPO-clip (+ kl_coef * KL + vf_coef * value loss)`,
+   and the `distill/*` diagnostics (logged only).
 
 With `num_iterations > 1` steps 1-4 run once per rollout batch and the following updates reuse it. An update that
 has nothing to learn from, or a non-finite loss, is skipped on every process (`_UpdateSkipper`).
@@ -20,6 +23,7 @@ The trainer orchestrates; the maths lives in `losses.py`, the packing in `packin
 """
 
 import functools
+import itertools
 import os
 import time
 import warnings
@@ -53,10 +57,12 @@ from .config import MemOPDConfig
 from .losses import (
     broadcast_to_tokens,
     chunked_generalized_jsd,
+    distillation_diagnostics,
     gae_advantages,
     group_normalized_advantages,
     kl_penalty,
     ppo_clip_loss,
+    sampled_kl_advantages,
     value_loss,
 )
 from .packing import PackedInvocationCollator
@@ -191,6 +197,11 @@ class MemOPDTrainer(_BaseTrainer):
                 "`distill_coef` > 0 needs a teacher: pass `teacher_model` or set `teacher_model_name_or_path`, or set "
                 "`distill_coef=0` for the PPO-only baseline."
             )
+        if teacher_model is None and args.sampled_kl_coef > 0:
+            raise ValueError(
+                "`sampled_kl_coef` > 0 needs a teacher, whose log-probs of the sampled tokens it adds to the advantages: "
+                "pass `teacher_model` or set `teacher_model_name_or_path`, or set `sampled_kl_coef=0`."
+            )
         if isinstance(teacher_model, str):
             if teacher_processing_class is None:
                 teacher_processing_class = AutoTokenizer.from_pretrained(
@@ -230,6 +241,7 @@ class MemOPDTrainer(_BaseTrainer):
         self._forward_redirection = _ForwardRedirection()
         self._update_skipper = _UpdateSkipper(self)
         self.add_callback(self._update_skipper)
+        self.add_callback(_ClearValueHeadGradients(self))
 
         self.teacher_model = None
         if teacher_model is not None:
@@ -260,6 +272,16 @@ class MemOPDTrainer(_BaseTrainer):
             ),
             history=args.teacher_scoring,
         )
+        # The live alignment audit scores the aligned teacher's actions again under the persistent history.
+        self.audit_collator = None
+        self._audited: tuple[int | None, int | None] = (None, None)  # (audit period, step) of the last audit
+        if self.teacher_model is not None and args.teacher_scoring == "aligned" and args.audit_steps > 0:
+            self.audit_collator = PackedInvocationCollator(
+                max_tokens_per_row=args.max_tokens_per_row,
+                pad_token_id=processing_class.pad_token_id,
+                max_model_length=self.teacher_collator.max_model_length,
+                history="persistent",
+            )
         # With vLLM, TRL's `VLLMGeneration` owns the engine (built from the student's checkpoint, colocated on this
         # process's GPU) and its weight sync; the rollout engine generates with its `vllm.LLM`.
         self.vllm_generation = None
@@ -381,32 +403,107 @@ class MemOPDTrainer(_BaseTrainer):
 
         # 3. advantages, one per action token
         batch.update(self._compute_advantages(rollout.episodes, student_batch))
+        tokens_per_episode = [sum(len(inv.output_ids) for inv in ep.invocations) for ep in rollout.episodes]
+        rewarded = torch.tensor([ep.reward > 0 for ep in rollout.episodes])
+        batch["rewarded"] = broadcast_to_tokens(rewarded, tokens_per_episode).to(device)  # (N,), for the diagnostics
 
         # 4. teacher scoring: hidden states at every action position, aligned (same rows) or persistent history
         start = time.perf_counter()
-        if self.teacher_model is not None and args.distill_coef > 0:
+        if self.teacher_model is not None and (args.distill_coef > 0 or args.sampled_kl_coef > 0):
             teacher_batch = student_batch
             if args.teacher_scoring == "persistent":
                 teacher_batch = send_to_device(self.teacher_collator(invocations), device)
+            teacher = self.accelerator.unwrap_model(self.teacher_model)
             with torch.no_grad():
-                teacher = self.accelerator.unwrap_model(self.teacher_model)
                 batch["teacher_hidden"] = action_hidden_states(teacher, teacher_batch)  # (N, H_teacher)
+                if args.sampled_kl_coef > 0:
+                    # The teacher's log-prob of each sampled token at the sampling temperature, as `old_logprobs`.
+                    teacher_logprobs = self._sampled_token_logprobs(teacher, batch["teacher_hidden"], student_batch)
+                    token_rewards = sampled_kl_advantages(teacher_logprobs, batch["old_logprobs"])  # (N,)
+                    batch["advantages"] = batch["advantages"] + args.sampled_kl_coef * token_rewards
+                    self._metrics["train"]["distill/sampled_reverse_kl"].append(-token_rewards.mean().item())
         rollout.seconds["teacher"] = time.perf_counter() - start
+        if "teacher_hidden" in batch and self.audit_collator is not None and self._audit_due():
+            start = time.perf_counter()
+            self._audit_alignment(invocations, batch["teacher_hidden"])
+            rollout.seconds["audit"] = time.perf_counter() - start
         if args.kl_coef > 0:
             start = time.perf_counter()
             with torch.no_grad(), self._reference_model() as reference:
                 ref_hidden = action_hidden_states(reference, student_batch)  # (N, H)
-                with gathered_lm_head(reference, self.vocab_size) as (weight, bias):
-                    batch["ref_logprobs"] = action_logprobs_from_hidden(
-                        ref_hidden,
-                        weight,
-                        bias,
-                        action_token_ids(student_batch),
-                        temperature=args.temperature,
-                        chunk_size=args.logit_chunk_size,
-                    )[0]  # (N,)
+                batch["ref_logprobs"] = self._sampled_token_logprobs(reference, ref_hidden, student_batch)  # (N,)
             rollout.seconds["reference"] = time.perf_counter() - start
         return batch
+
+    def _sampled_token_logprobs(self, model: nn.Module, hidden: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        """`(N,)`: the log-prob under `model`'s LM head on `hidden` of each sampled token, at the sampling temperature."""
+        with gathered_lm_head(model, self.vocab_size) as (weight, bias):
+            return action_logprobs_from_hidden(
+                hidden,
+                weight,
+                bias,
+                action_token_ids(batch),
+                temperature=self.args.temperature,
+                chunk_size=self.args.logit_chunk_size,
+            )[0]
+
+    def _audit_due(self) -> bool:
+        """Whether this rollout is audited: the first rollout of every `audit_steps` steps (all its micro-batches)."""
+        step = self.state.global_step
+        period = step // self.args.audit_steps
+        if period == self._audited[0] and step != self._audited[1]:
+            return False
+        self._audited = (period, step)
+        return True
+
+    def _audit_alignment(self, invocations: list[Invocation], aligned_hidden: torch.Tensor) -> None:
+        """
+        The live alignment audit (`audit_steps`): the teacher scores the same actions again under the flattened
+        persistent history, and `misalignment/kl_turn_{k}` logs KL(teacher aligned || teacher persistent) at T=1,
+        averaged over the action tokens of turn `k` (`misalignment/kl`: over all of them). Episodes whose flattened
+        history the teacher cannot take (longer than its context, or missing `observation_ids`) are left out.
+        """
+        limit = self.audit_collator.max_model_length or float("inf")
+        episodes: dict[int, list[int]] = defaultdict(list)  # episode id -> indices into `invocations`
+        for i, inv in enumerate(invocations):
+            episodes[inv.episode_id].append(i)
+        offsets = torch.tensor([0, *itertools.accumulate(len(inv.output_ids) for inv in invocations)])
+        kept, tokens = [], []  # the invocations audited, and the canonical index of each of their action tokens
+        for indices in episodes.values():
+            episode = [invocations[i] for i in indices]
+            history = len(episode[0].input_ids) + sum(len(inv.output_ids) for inv in episode)
+            history += sum(len(inv.observation_ids or []) for inv in episode[:-1])
+            if history > limit or any(inv.observation_ids is None for inv in episode[:-1]):
+                continue
+            kept.extend(indices)
+            tokens.extend(torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in indices)
+        audited = [invocations[i] for i in kept]
+        if not sum(len(inv.output_ids) for inv in audited):
+            return
+        tokens = torch.cat(tokens)  # (N_audited,)
+        device = self.accelerator.device
+        teacher = self.accelerator.unwrap_model(self.teacher_model)
+        with torch.no_grad():
+            persistent_batch = send_to_device(self.audit_collator(audited), device)
+            persistent_hidden = action_hidden_states(teacher, persistent_batch)  # (N_audited, H), order of `audited`
+        with torch.no_grad(), gathered_lm_head(teacher, self.vocab_size) as (weight, bias):
+            kl = chunked_generalized_jsd(
+                persistent_hidden,
+                weight,
+                aligned_hidden[tokens.to(device)],
+                weight,
+                beta=0.0,  # KL(teacher aligned || teacher persistent)
+                student_bias=bias,
+                teacher_bias=bias,
+                chunk_size=self.args.logit_chunk_size,
+            ).cpu()  # (N_audited,)
+        turns = torch.repeat_interleave(
+            torch.tensor([inv.turn for inv in audited]), torch.tensor([len(inv.output_ids) for inv in audited])
+        )  # (N_audited,)
+        metrics = self._metrics["train"]
+        metrics["misalignment/kl"].append(kl.mean().item())
+        for turn in turns.unique().tolist():
+            metrics[f"misalignment/kl_turn_{turn}"].append(kl[turns == turn].mean().item())
 
     def _compute_advantages(self, episodes: list[Episode], student_batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """
@@ -556,20 +653,32 @@ class MemOPDTrainer(_BaseTrainer):
             if "teacher_hidden" in inputs:
                 teacher = self.accelerator.unwrap_model(self.teacher_model)
                 with gathered_lm_head(teacher, self.vocab_size) as (teacher_weight, teacher_bias):
-                    divergence = chunked_generalized_jsd(
-                        hidden,
-                        weight,
-                        inputs["teacher_hidden"],
-                        teacher_weight,
-                        beta=args.beta,
-                        temperature=args.distill_temperature,
-                        student_bias=bias,
-                        teacher_bias=teacher_bias,
-                        chunk_size=args.logit_chunk_size,
-                    )  # (N,)
-                distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
-                loss = loss + args.distill_coef * distill
-                metrics["loss/distill"].append(distill.item())
+                    if args.distill_coef > 0:
+                        divergence = chunked_generalized_jsd(
+                            hidden,
+                            weight,
+                            inputs["teacher_hidden"],
+                            teacher_weight,
+                            beta=args.beta,
+                            temperature=args.distill_temperature,
+                            student_bias=bias,
+                            teacher_bias=teacher_bias,
+                            chunk_size=args.logit_chunk_size,
+                        )  # (N,)
+                        distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
+                        loss = loss + args.distill_coef * distill
+                        metrics["loss/distill"].append(distill.item())
+                    if args.distill_diagnostics:
+                        diagnostics = distillation_diagnostics(
+                            hidden.detach(),
+                            weight.detach(),
+                            inputs["teacher_hidden"],
+                            teacher_weight,
+                            student_bias=None if bias is None else bias.detach(),
+                            teacher_bias=teacher_bias,
+                            chunk_size=args.logit_chunk_size,
+                        )  # each (N,)
+                        self._log_diagnostics(diagnostics, inputs["rewarded"])
         if "ref_logprobs" in inputs:
             kl = kl_penalty(logprobs, inputs["ref_logprobs"]).mean()
             loss = loss + args.kl_coef * kl
@@ -585,6 +694,14 @@ class MemOPDTrainer(_BaseTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Logging, evaluation, model card
     # ------------------------------------------------------------------------------------------------------------
+    def _log_diagnostics(self, diagnostics: dict[str, torch.Tensor], rewarded: torch.Tensor) -> None:
+        """`distill/{name}` over the action tokens of this update, and over those of rewarded / unrewarded episodes."""
+        metrics = self._metrics["train"]
+        for suffix, tokens in (("", slice(None)), ("_rewarded", rewarded), ("_unrewarded", ~rewarded)):
+            for name, values in diagnostics.items():
+                if values[tokens].numel():
+                    metrics[f"distill/{name}{suffix}"].append(values[tokens].mean().item())
+
     def _episode_table(self, episodes: list[Episode]) -> tuple[list[str], torch.Tensor]:
         """
         The statistics of `episodes`, one row each, `(num_episodes, len(names))` on this process, and their names:
@@ -760,6 +877,21 @@ class _UpdateSkipper(TrainerCallback):
             trainer.optimizer.zero_grad(set_to_none=True)
             self.num_skipped += 1
         trainer._metrics["train"]["skipped_updates"].append(float(self.num_skipped))
+
+
+class _ClearValueHeadGradients(TrainerCallback):
+    """
+    Drops the value head's gradients after every optimizer step. transformers clears gradients with
+    `model.zero_grad()`, which does not reach the value head (it lives beside the model, not in it): without this its
+    gradients would add up over all the steps of a run.
+    """
+
+    def __init__(self, trainer: "MemOPDTrainer"):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer.value_head is not None:
+            self.trainer.value_head.zero_grad(set_to_none=True)
 
 
 

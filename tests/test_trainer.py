@@ -5,6 +5,7 @@ import functools
 import os
 import sys
 import types
+from collections import defaultdict
 
 import pytest
 import torch
@@ -615,3 +616,221 @@ def test_use_vllm_config_builds_without_vllm_and_checks_its_fields(tmp_path):
         make_config(tmp_path, vllm_gpu_memory_utilization=0.0)
     with pytest.raises(ValueError, match="`vllm_max_model_length` must be None or >= .* = 522"):
         make_config(tmp_path, vllm_max_model_length=256)
+
+
+# ----- diagnostics, the alignment audit and the sampled-token KL advantage -------------------------------------------
+def near_copy(model, seed: int, scale: float = 0.05):
+    """A teacher close to `model`: every weight moved by `scale` times Gaussian noise (so argmaxes agree sometimes)."""
+    teacher = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(scale * p.std().nan_to_num(0.0) * torch.randn(p.shape, generator=generator))
+    return teacher
+
+
+class ParityRewardEnv(LengthRewardEnv):
+    """Reward 1 for an action of even length, else 0: sampled episodes fall on both sides of `reward > 0`."""
+
+    def step(self, action_text):
+        result = super().step(action_text)
+        self.reward = float(len(action_text) % 2 == 0)
+        return StepResult(result.observation, self.reward, True, {})
+
+
+def test_distillation_diagnostics_equal_a_materialized_computation_split_by_reward(
+    tmp_path, world, make_tiny_model, tiny_tokenizer
+):
+    from test_losses import materialized_diagnostics
+
+    from memopd_trl.scoring import full_logits_action_logprobs
+
+    student = make_tiny_model(seed=0)
+    start = copy.deepcopy(student)
+    teacher = near_copy(student, seed=1, scale=0.5)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=make_config(tmp_path, num_generations=4, temperature=1.5, logit_chunk_size=7, audit_steps=0),
+        train_dataset=world.records,
+        env_factory=ParityRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    rollouts = []
+    rollout = trainer._rollout
+    trainer._rollout = lambda records: rollouts.append(rollout(records)) or rollouts[-1]
+    trainer.train()
+
+    (played,) = rollouts
+    invocations = [inv for ep in played.episodes for inv in ep.invocations]
+    with torch.no_grad():  # plain forwards with full logits, at T=1, of the student before its update and the teacher
+        _, student_logits = full_logits_action_logprobs(start, invocations, return_distributions=True)
+        _, teacher_logits = full_logits_action_logprobs(teacher, invocations, return_distributions=True)
+    reference = materialized_diagnostics(student_logits, teacher_logits)
+    rewarded = torch.tensor(
+        [ep.reward > 0 for ep in played.episodes for inv in ep.invocations for _ in inv.output_ids]
+    )  # (N,)
+    assert 0 < rewarded.sum() < len(rewarded), "the test needs rewarded and unrewarded episodes"
+    assert 0 < reference["agreement"].mean() < 1, "the test needs tokens where the argmaxes agree and where not"
+    for name, values in reference.items():
+        for suffix, tokens in (("", slice(None)), ("_rewarded", rewarded), ("_unrewarded", ~rewarded)):
+            (logged,) = losses_logged(trainer, f"distill/{name}{suffix}")
+            assert logged == pytest.approx(values[tokens].mean().item(), rel=1e-4, abs=1e-6), f"{name}{suffix}"
+    (entropy,) = losses_logged(trainer, "distill/student_entropy")
+    assert entropy != pytest.approx(losses_logged(trainer, "entropy")[0]), "T=1, not the sampling temperature"
+
+
+def test_distillation_diagnostics_can_be_switched_off_and_leave_the_update_unchanged(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    students = []
+    for diagnostics in (True, False):
+        student = make_tiny_model(seed=0)
+        trainer = MemOPDTrainer(
+            model=student,
+            teacher_model=make_tiny_model(seed=1),
+            args=make_config(tmp_path, max_steps=2, distill_diagnostics=diagnostics),
+            train_dataset=world.records,
+            env_factory=env_factory,
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train()
+        assert bool(losses_logged(trainer, "distill/forward_kl")) == diagnostics
+        students.append(student)
+    for (name, a), b in zip(students[0].named_parameters(), students[1].parameters(), strict=True):
+        assert torch.equal(a, b), f"{name}: the diagnostics changed the update"
+
+
+def persistent_reference_kl(teacher, episode) -> dict[int, torch.Tensor]:
+    """KL(aligned || persistent) per action token of each turn, from plain forwards with full logits (no packing)."""
+    from memopd_trl.scoring import full_logits_action_logprobs
+
+    history = list(episode.invocations[0].input_ids)
+    starts = []
+    for inv in episode.invocations:
+        starts.append(len(history) - 1)
+        history += inv.output_ids + (inv.observation_ids or [])
+    with torch.no_grad():
+        logits = teacher(input_ids=torch.tensor([history])).logits[0].float()  # (len, V)
+        kl = {}
+        for inv, start in zip(episode.invocations, starts, strict=True):
+            _, aligned = full_logits_action_logprobs(teacher, [inv], return_distributions=True)
+            persistent = logits[start : start + len(inv.output_ids)].log_softmax(-1)
+            kl[inv.turn] = (aligned.exp() * (aligned - persistent)).sum(-1)
+    return kl
+
+
+def test_alignment_audit_logs_the_teachers_kl_between_contexts_by_turn(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    teacher = make_tiny_model(seed=1)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(5.0)  # a teacher whose distributions depend on its context
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        teacher_model=teacher,
+        args=make_config(tmp_path, max_steps=3, audit_steps=2),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    rollouts = []
+    rollout = trainer._rollout
+    trainer._rollout = lambda records: rollouts.append(rollout(records)) or rollouts[-1]
+    trainer.train()
+
+    steps = [e for e in trainer.state.log_history if "loss" in e]
+    assert ["misalignment/kl" in e for e in steps] == [True, False, True], "audited at steps 0 and 2 of 3"
+    for entry, played in zip(steps[::2], rollouts[::2], strict=True):
+        reference = defaultdict(list)
+        for episode in played.episodes:
+            for turn, kl in persistent_reference_kl(teacher, episode).items():
+                reference[turn].append(kl)
+        reference = {turn: torch.cat(kls) for turn, kls in reference.items()}
+        assert sorted(reference) == [0, 1]
+        # Turn 0: the same context before any rewrite. Turn 1: its context holds the rewritten turn 0.
+        # (A random 1-layer teacher reads its context little: ~3e-5 nats at turn 1, float noise ~3e-8 at turn 0.)
+        assert abs(entry["misalignment/kl_turn_0"]) < 1e-6
+        assert entry["misalignment/kl_turn_1"] > max(1e-5, 100 * abs(entry["misalignment/kl_turn_0"]))
+        for turn, kl in reference.items():
+            assert entry[f"misalignment/kl_turn_{turn}"] == pytest.approx(kl.mean().item(), rel=1e-3, abs=1e-7)
+        overall = torch.cat(list(reference.values())).mean().item()
+        assert entry["misalignment/kl"] == pytest.approx(overall, rel=1e-3, abs=1e-7)
+        assert entry["time/audit"] > 0
+
+
+@pytest.mark.parametrize("settings", [{"audit_steps": 0}, {"teacher_scoring": "persistent"}], ids=["off", "persistent"])
+def test_alignment_audit_is_off_when_disabled_or_without_aligned_scoring(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, settings
+):
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path, **settings),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert trainer.audit_collator is None
+    assert not [key for e in trainer.state.log_history for key in e if key.startswith("misalignment/")]
+
+
+def test_sampled_kl_advantage_adds_teacher_minus_rollout_logprobs_at_the_sampling_temperature(
+    tmp_path, world, make_tiny_model, tiny_tokenizer
+):
+    from memopd_trl.scoring import full_logits_action_logprobs
+
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1, hidden_size=48)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(3.0)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=teacher,
+        args=make_config(tmp_path, sampled_kl_coef=0.5, temperature=1.5, num_generations=4),
+        train_dataset=world.records,
+        env_factory=LengthRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    rollout = trainer._rollout(world.records[:2])
+    batch = trainer._score(rollout)
+    reward_only = trainer._compute_advantages(rollout.episodes, batch["student_batch"])["advantages"]
+    with torch.no_grad():  # by hand: the teacher's full logits at each sampled token, at the sampling temperature
+        teacher_logprobs = full_logits_action_logprobs(teacher, rollout.invocations, temperature=1.5)
+    old_logprobs = torch.tensor([lp for inv in rollout.invocations for lp in inv.logprobs])
+    expected = reward_only + 0.5 * (teacher_logprobs - old_logprobs)
+    torch.testing.assert_close(batch["advantages"], expected, rtol=1e-5, atol=1e-5)
+    assert (batch["advantages"] - reward_only).abs().max() > 0.1, "the teacher term should move the advantages"
+    (logged,) = trainer._metrics["train"]["distill/sampled_reverse_kl"]
+    assert logged == pytest.approx((old_logprobs - teacher_logprobs).mean().item(), rel=1e-4)
+
+
+def test_sampled_kl_advantage_trains_with_ppo_alone_and_needs_a_teacher_and_ppo(
+    tmp_path, world, make_tiny_model, tiny_tokenizer
+):
+    student = make_tiny_model(seed=0)
+    before = params_of(student)
+    trainer = MemOPDTrainer(
+        model=student,
+        teacher_model=make_tiny_model(seed=1),
+        args=make_config(tmp_path, distill_coef=0.0, sampled_kl_coef=1.0),
+        train_dataset=world.records,
+        env_factory=LengthRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert changed(before, student)
+    assert losses_logged(trainer, "loss/ppo") and not losses_logged(trainer, "loss/distill")
+    assert losses_logged(trainer, "distill/sampled_reverse_kl") and losses_logged(trainer, "distill/forward_kl")
+    with pytest.raises(ValueError, match="`sampled_kl_coef` > 0 needs a teacher"):
+        MemOPDTrainer(
+            model=make_tiny_model(seed=0),
+            args=make_config(tmp_path, distill_coef=0.0, sampled_kl_coef=1.0),
+            train_dataset=world.records,
+            env_factory=LengthRewardEnv.factory(),
+            processing_class=tiny_tokenizer,
+        )
+    with pytest.raises(ValueError, match="`sampled_kl_coef` .* but `ppo_coef` is 0"):
+        make_config(tmp_path, ppo_coef=0.0, sampled_kl_coef=1.0)
+    with pytest.raises(ValueError, match="`sampled_kl_coef` must be >= 0"):
+        make_config(tmp_path, sampled_kl_coef=-1.0)

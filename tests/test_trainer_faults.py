@@ -169,3 +169,31 @@ def test_batched_gae_equals_gae_run_on_each_episode_alone(tmp_path, world, env_f
         returns.append(ret)
     assert torch.equal(batch["advantages"], torch.cat(advantages))
     assert torch.equal(batch["returns"], torch.cat(returns))
+
+
+def test_value_head_gradients_are_cleared_after_every_optimizer_step(tmp_path, world, make_tiny_model, tiny_tokenizer):
+    # transformers clears gradients with `model.zero_grad()`; the value head lives beside the model, not in it.
+    from transformers import TrainerCallback
+
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        args=make_config(
+            tmp_path, distill_coef=0.0, advantage_estimator="gae", num_generations=2, max_steps=3, temperature=1.5
+        ),
+        train_dataset=world.records,
+        env_factory=LengthRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )
+    left_over = []
+
+    class AfterEachStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            student_grads = [p.grad for p in trainer.model.parameters()]
+            assert all(g is None or not g.any() for g in student_grads), "the check needs the model's grads cleared"
+            left_over.append([p.grad for p in trainer.value_head.parameters()])
+
+    trainer.add_callback(AfterEachStep())
+    trainer.train()
+    assert losses_logged(trainer, "loss/value")
+    assert len(left_over) == 3
+    assert all(g is None or not g.any() for grads in left_over for g in grads), "value-head gradients carried over"
