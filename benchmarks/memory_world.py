@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
+from memopd_trl import MemOPDConfig, MemOPDTrainer  # noqa: E402
 from memopd_trl.diagnostics import teacher_takeover  # noqa: E402
 from memopd_trl.envs.multi import multi_objective_max_turns  # noqa: E402
 from memopd_trl.offline import (  # noqa: E402
@@ -61,6 +62,15 @@ class BenchmarkArguments:
     max_new_tokens: int = field(default=64, metadata={"help": "Tokens per model call."})
     max_prompt_length: int = field(default=512, metadata={"help": "Context tokens per model call."})
     threads: int = field(default=2, metadata={"help": "torch CPU threads."})
+    signal_steps: int = field(
+        default=8,
+        metadata={"help": "Rollouts on which the training signal at the start is measured (the `distill/*` diagnostics "
+                  "and the alignment audit's `misalignment/*`), with the learning rate at 0 so that the student stays "
+                  "the start; 0 skips it."},
+    )  # fmt: skip
+    signal_temperature: float = field(
+        default=0.7, metadata={"help": "Sampling temperature of those rollouts (the main job's)."}
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -85,6 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
     takeover = teacher_takeover(engines["student_init"], engines["teacher"], world.evaluation)
     takeover_seconds = time.perf_counter() - start
 
+    signal = {}
+    if args.signal_steps > 0:
+        start = time.perf_counter()
+        signal = training_signal(world, output_dir, tokenizer, args, max_turns=max_turns, **generation)
+        signal["seconds"] = round(time.perf_counter() - start, 1)
+
     def scores(role: str) -> dict:
         info = setup[role]
         return {"single_question_f1": info.get("single_f1", info["f1"]), "multi_objective_f1": info["f1"]}
@@ -98,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         "teacher": scores("teacher"),
         "takeover_f1_by_k": {k: round(v["f1"], 4) for k, v in takeover.items()},
         "takeover_taken_over_by_k": {k: round(v["taken_over"], 4) for k, v in takeover.items()},
+        "signal_at_start": signal,
         "setup_seconds": round(setup_seconds, 1),
         "takeover_seconds": round(takeover_seconds, 1),
     }
@@ -110,10 +127,37 @@ def main(argv: list[str] | None = None) -> dict:
     print("teacher takeover (start plays k turns, teacher finishes), held-out F1 by k:")
     for k, value in takeover.items():
         print(f"  k={k}: F1 {value['f1']:.3f} ({value['taken_over']:.0%} of episodes still running at turn k)")
+    if signal:
+        print(f"training signal at the start ({args.signal_steps} rollouts at T={args.signal_temperature}):")
+        for key, value in signal.items():
+            print(f"  {key}: {value}")
     print(
         f"set-up {setup_seconds:.0f} s, takeover {takeover_seconds:.0f} s; written to {output_dir / 'memory_world.json'}"
     )
     return results
+
+
+def training_signal(world, output_dir: Path, tokenizer, args, **settings) -> dict[str, float]:
+    """
+    The trainer's own metrics on the student start's sampled episodes (aligned teacher scoring, an alignment audit at
+    every rollout), with the learning rate at 0: the `distill/*` diagnostics and the per-turn `misalignment/*` of the
+    start, averaged over `args.signal_steps` rollouts of training tasks.
+    """
+    config = MemOPDConfig(
+        output_dir=str(output_dir / "signal"), max_steps=args.signal_steps, learning_rate=0.0,
+        lr_scheduler_type="constant", per_device_train_batch_size=8, num_generations=4, temperature=args.signal_temperature,
+        beta=1.0, audit_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        disable_tqdm=True, seed=0, **settings,
+    )  # fmt: skip
+    trainer = MemOPDTrainer(
+        model=load_offline_model(output_dir / "student_init"), teacher_model=load_offline_model(output_dir / "teacher"),
+        args=config, train_dataset=world.train, env_factory=world.env_factory, processing_class=tokenizer,
+    )  # fmt: skip
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    keys = sorted({key for entry in logs for key in entry if key.startswith(("distill/", "misalignment/"))})
+    keys += ["f1", "reward"]
+    return {key: round(sum(e[key] for e in logs if key in e) / sum(key in e for e in logs), 4) for key in keys}
 
 
 if __name__ == "__main__":
