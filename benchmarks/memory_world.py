@@ -59,8 +59,12 @@ class BenchmarkArguments:
         default=None,
         metadata={"help": "Turns per episode; defaults to multi_objective_max_turns(num_sub_questions, retries=1)."},
     )
-    max_new_tokens: int = field(default=64, metadata={"help": "Tokens per model call."})
-    max_prompt_length: int = field(default=512, metadata={"help": "Context tokens per model call."})
+    max_new_tokens: int = field(
+        default=128,
+        metadata={"help": "Tokens per model call. The full expert's actions on two-question tasks reach 95 tokens (the "
+                  "memory carries the first sub-question's facts): 64 truncates them (docs/results.md)."},
+    )  # fmt: skip
+    max_prompt_length: int = field(default=768, metadata={"help": "Context tokens per model call."})
     threads: int = field(default=2, metadata={"help": "torch CPU threads."})
     signal_steps: int = field(
         default=8,
