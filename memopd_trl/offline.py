@@ -27,6 +27,7 @@ teacher's tokenizer, so a new teacher means a new student).
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -664,9 +665,11 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             dagger_steps = _dagger_steps(models["student_init"], tokenizer, world, config, generation)
             steps = steps + dagger_steps
             info["dagger_turns"] = len(dagger_steps)
+        invocations = expert_invocations(steps, tokenizer)
+        _warn_if_actions_outgrow_generation(role, invocations + pretrain_data, generation["max_new_tokens"])
         start = time.perf_counter()
         model, losses = train_tiny_agent(
-            role, recipe["hidden_size"], recipe["layers"], expert_invocations(steps, tokenizer), copy_data,
+            role, recipe["hidden_size"], recipe["layers"], invocations, copy_data,
             recipe["epochs"], recipe["learning_rate"], tokenizer, config, seed=1 if role == "teacher" else 2,
             pretrain_data=pretrain_data,
         )  # fmt: skip
@@ -711,6 +714,19 @@ def _dagger_steps(student, tokenizer, world, config, generation) -> list[tuple[l
         episodes, _ = engine.rollout(records, num_generations=1)
     expert = SyntheticExpert(world.env_factory().action_format, memory="full")
     return expert_labels(engine, episodes, records, expert)
+
+
+def _warn_if_actions_outgrow_generation(role: str, invocations: list, max_new_tokens: int) -> None:
+    """Warn when expert actions the model imitates are longer than generation allows: greedy scores would be 0 there."""
+    longest = max((len(inv.output_ids) for inv in invocations), default=0)
+    if longest > max_new_tokens:
+        cut = sum(len(inv.output_ids) > max_new_tokens for inv in invocations) / len(invocations)
+        warnings.warn(
+            f"The {role}'s expert actions reach {longest} tokens but max_new_tokens is {max_new_tokens}: "
+            f"{cut:.1%} of its imitated actions cannot be generated whole (they end malformed, with reward 0). "
+            "Raise max_new_tokens (multi-objective tasks carry several facts in memory).",
+            stacklevel=3,
+        )
 
 
 def _cached_recipe(path: Path) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -139,6 +140,17 @@ def test_same_recipe_same_weights(built, tmp_path):
         first, second = load_offline_model(out / role), load_offline_model(tmp_path / role)
         for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
             assert torch.equal(a, b), (role, name)
+
+
+def test_expert_actions_longer_than_generation_are_warned_about(tmp_path):
+    # The expert's actions run to ~30 tokens here: 12 new tokens cut every one of them, 128 none.
+    config = OfflineConfig(**TINY)
+    world = make_offline_world(config, max_turns=3)
+    with pytest.warns(UserWarning, match=r"expert actions reach \d+ tokens but max_new_tokens is 12"):
+        prepare_offline_models(config, world, tmp_path / "short", **GENERATION)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*max_new_tokens is")
+        prepare_offline_models(config, world, tmp_path / "long", max_new_tokens=128, max_prompt_length=512)
 
 
 def test_too_many_warmup_questions_is_a_clear_error(tmp_path):
