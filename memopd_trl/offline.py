@@ -24,6 +24,7 @@ teacher's tokenizer, so a new teacher means a new student).
 >>> student = load_offline_model("outputs/offline/student_init")
 """
 
+import copy
 import json
 import os
 import time
@@ -81,6 +82,13 @@ class OfflineConfig:
             (`make_multi_objective_tasks`), training tasks from training questions and held-out tasks from held-out
             questions only, so that facts found early must be carried in memory. Such a task needs
             `multi_objective_max_turns(k, retries=1)` turns (the expert retries a search that missed once).
+        lookup_fraction (`float`, *optional*, defaults to `0.0`):
+            Fraction of single-hop lookups (`"Who directed A?"`: one passage answers them) among the world's
+            questions (`make_synthetic_world`); 1.0 makes every sub-question of a multi-objective task a lookup, whose
+            episode needs `multi_objective_max_turns(k, searches_per_question=1)` turns.
+        short_names (`bool`, *optional*, defaults to `False`):
+            Names of two-syllable words with no syllable repeated within a name (`make_synthetic_world`): a tiny
+            model copies them far more reliably than the default two- and three-syllable words.
 
     Parameters that control the models:
         vocab_size (`int`, *optional*, defaults to `768`):
@@ -100,9 +108,17 @@ class OfflineConfig:
             models imitate after the copy warm-up and before imitating their own expert on the tasks; 0 skips it.
         pretrain_epochs (`float`, *optional*, defaults to `1.0`):
             Epochs of that shared pretraining (each model at its own learning rate).
+        share_pretraining (`bool`, *optional*, defaults to `False`):
+            Run the copy warm-up and the pretraining once, in the teacher's architecture (at the teacher's learning
+            rate), and start both models' imitation from copies of that one model: the two then differ only by the
+            expert they imitate on the tasks. The student sizes must equal the teacher's.
+        replay_questions (`int`, *optional*, defaults to `0`):
+            Pretraining questions whose full-expert turns are mixed into each model's task imitation (replay), so
+            that the single-question skill survives the task phase; at most `pretrain_questions`.
         student_expert_memory (`str`, *optional*, defaults to `"full"`):
             Memory of the expert the student start imitates: `"full"` (the teacher's expert), or a forgetful one,
-            `"latest"` (only the latest fact) or `"none"` (nothing), which plays the same searches and answer format.
+            `"latest"` (only the latest fact), `"none"` (nothing) or `"searches"` (a note of each search, no fact),
+            which plays the same searches and answer format.
             A forgetful expert gives a student start that has the capabilities and lacks the memory policy; its traces
             are played without mistakes (after a slip a forgetful expert loses its place and gives up).
         dagger_questions (`int`, *optional*, defaults to `0`):
@@ -166,6 +182,17 @@ class OfflineConfig:
                   "multi_objective_max_turns(k, retries=1) turns."},
     )  # fmt: skip
 
+    lookup_fraction: float = field(
+        default=0.0,
+        metadata={"help": "Fraction of single-hop lookups (`Who directed A?`, one passage answers them) among the "
+                  "world's questions; 1.0 makes every sub-question of a multi-objective task a lookup."},
+    )  # fmt: skip
+    short_names: bool = field(
+        default=False,
+        metadata={"help": "Names of two-syllable words with no syllable repeated (`make_synthetic_world`): names a "
+                  "tiny model copies reliably."},
+    )  # fmt: skip
+
     # Models
     vocab_size: int = field(default=768, metadata={"help": "Vocabulary size of the tokenizer trained on the world."})
     teacher_hidden_size: int = field(default=128, metadata={"help": "Hidden size of the teacher."})
@@ -182,6 +209,16 @@ class OfflineConfig:
     pretrain_epochs: float = field(
         default=1.0, metadata={"help": "Epochs of the shared pretraining (each model at its own learning rate)."}
     )
+    share_pretraining: bool = field(
+        default=False,
+        metadata={"help": "Run the copy warm-up and the pretraining once, in the teacher's architecture, and start "
+                  "both models' imitation from that one model (the student sizes must equal the teacher's)."},
+    )  # fmt: skip
+    replay_questions: int = field(
+        default=0,
+        metadata={"help": "Pretraining questions whose full-expert turns are mixed into each model's task imitation, "
+                  "so the single-question skill survives it; 0 turns it off."},
+    )  # fmt: skip
     student_expert_memory: str = field(
         default="full",
         metadata={"help": "Memory of the expert the student start imitates: `full` (the teacher's), or a forgetful "
@@ -247,6 +284,21 @@ class OfflineConfig:
             )
         if self.pretrain_epochs <= 0:
             raise ValueError(f"`pretrain_epochs` must be > 0, got {self.pretrain_epochs}.")
+        if not 0.0 <= self.lookup_fraction <= 1.0:
+            raise ValueError(f"`lookup_fraction` must be in [0, 1], got {self.lookup_fraction}.")
+        if not 0 <= self.replay_questions <= self.pretrain_questions:
+            raise ValueError(
+                f"`replay_questions` ({self.replay_questions}) must be in [0, pretrain_questions "
+                f"({self.pretrain_questions})]: the replayed turns are pretraining turns."
+            )
+        if self.share_pretraining and (self.student_hidden_size, self.student_layers) != (
+            self.teacher_hidden_size, self.teacher_layers
+        ):
+            raise ValueError(
+                "`share_pretraining` starts both models from one pretrained model: give the student the teacher's "
+                f"sizes (student {self.student_hidden_size} x {self.student_layers} layers, teacher "
+                f"{self.teacher_hidden_size} x {self.teacher_layers})."
+            )
         if self.student_expert_memory not in MEMORY_MODES:
             raise ValueError(
                 f"`student_expert_memory` must be one of {MEMORY_MODES}, got {self.student_expert_memory!r}."
@@ -273,6 +325,10 @@ _LATER_OPTION_DEFAULTS = {
     "pretrain_epochs": 1.0,
     "student_expert_memory": "full",
     "dagger_questions": 0,
+    "lookup_fraction": 0.0,
+    "short_names": False,
+    "share_pretraining": False,
+    "replay_questions": 0,
 }
 
 
@@ -340,6 +396,8 @@ def make_offline_world(config: OfflineConfig, **env_kwargs) -> OfflineWorld:
         seed=config.world_seed,
         comparison_fraction=config.comparison_fraction,
         filler_prob=0.0,
+        lookup_fraction=config.lookup_fraction,
+        short_names=config.short_names,
     )
     env_factory = HotpotQAEnv.factory(
         corpus=world.corpus,
@@ -394,6 +452,7 @@ def train_tiny_agent(
     config: OfflineConfig,
     seed: int,
     pretrain_data: list | None = None,
+    base_model: PreTrainedModel | None = None,
 ) -> tuple[PreTrainedModel, list[float]]:
     """
     A tiny model from scratch: the copy warm-up on `copy_data` (if any), the shared pretraining on `pretrain_data`
@@ -412,16 +471,26 @@ def train_tiny_agent(
         seed (`int`): seed of the initial weights and the data order.
         pretrain_data (`list[Invocation]`, *optional*): the full expert's single-question turns, imitated for
             `config.pretrain_epochs` epochs at `learning_rate` before `invocations`; empty or `None` skips it.
+        base_model (`PreTrainedModel`, *optional*): start from a copy of this model (already warmed up and
+            pretrained, `share_pretraining`) instead of a new one: `copy_data`, `pretrain_data` and the sizes are
+            then not used.
 
     Returns:
         `tuple[PreTrainedModel, list[float]]`: the model (in eval mode) and the action NLL of every imitation step.
     """
+    common = dict(tokens_per_batch=config.imitation_tokens_per_batch, pad_token_id=tokenizer.pad_token_id, seed=seed)
+    if base_model is not None:
+        model = copy.deepcopy(base_model)
+        losses = imitation_train(
+            model, invocations, epochs=epochs, learning_rate=learning_rate, context_weight=config.context_weight,
+            description=f"{role} imitation", **common,
+        )  # fmt: skip
+        return model, losses
     model = build_tiny_model(
         len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=2,
         num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
         attn_implementation=VARLEN_ATTENTION, seed=seed,
     )  # fmt: skip
-    common = dict(tokens_per_batch=config.imitation_tokens_per_batch, pad_token_id=tokenizer.pad_token_id, seed=seed)
     if copy_data:
         imitation_train(
             model, copy_data, learning_rate=config.copy_learning_rate, description=f"{role} copy warm-up", **common
@@ -431,10 +500,12 @@ def train_tiny_agent(
             model, pretrain_data, epochs=config.pretrain_epochs, learning_rate=learning_rate,
             context_weight=config.context_weight, description=f"{role} pretraining", **common,
         )  # fmt: skip
-    losses = imitation_train(
-        model, invocations, epochs=epochs, learning_rate=learning_rate, context_weight=config.context_weight,
-        description=f"{role} imitation", **common,
-    )  # fmt: skip
+    losses = []
+    if invocations:
+        losses = imitation_train(
+            model, invocations, epochs=epochs, learning_rate=learning_rate, context_weight=config.context_weight,
+            description=f"{role} imitation", **common,
+        )  # fmt: skip
     return model, losses
 
 
@@ -566,7 +637,8 @@ def prepare_offline_models(
     Returns:
         `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the content of its `memopd_setup.json`: held-out
         `f1` / `em`, `train_seconds`, `parameters`, `expert_turns`, `final_action_nll`, `recipe`, `eval_settings`;
-        with multi-objective tasks also `single_f1` / `single_em`, `pretrain_turns`, and the teacher's `dagger_turns`.
+        with multi-objective tasks also `single_f1` / `single_em`, `pretrain_turns`, and the teacher's `dagger_turns`;
+        with `replay_questions` `replay_turns`, and with `share_pretraining` `shared_pretraining: true`.
     """
     tasks = "tasks" if world.multi_objective else "questions"
     for name in ("student_warmup_questions", "dagger_questions"):
@@ -654,12 +726,24 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         f"tokenizer of {len(tokenizer)} tokens ({time.perf_counter() - start:.1f} s)"
     )
     order = ("student_init", "teacher") if config.dagger_questions > 0 else ROLES
+    replay_steps = []
+    if config.replay_questions > 0:
+        replay_steps = [step for trajectory in pretrain[: config.replay_questions] for step in trajectory.steps]
+    base_model = None
+    if config.share_pretraining:
+        start = time.perf_counter()
+        recipe = recipes["teacher"]
+        base_model, _ = train_tiny_agent(
+            "shared", recipe["hidden_size"], recipe["layers"], [], copy_data, recipe["epochs"],
+            recipe["learning_rate"], tokenizer, config, seed=1, pretrain_data=pretrain_data,
+        )  # fmt: skip
+        _log(f"[setup] shared copy warm-up and pretraining ({time.perf_counter() - start:.0f} s)")
     models = {}
     for role in order:
         if role not in roles:
             continue
         recipe = recipes[role]
-        steps = policy_steps[role]
+        steps = policy_steps[role] + replay_steps
         info = {}
         if role == "teacher" and config.dagger_questions > 0:
             dagger_steps = _dagger_steps(models["student_init"], tokenizer, world, config, generation)
@@ -671,7 +755,7 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         model, losses = train_tiny_agent(
             role, recipe["hidden_size"], recipe["layers"], invocations, copy_data,
             recipe["epochs"], recipe["learning_rate"], tokenizer, config, seed=1 if role == "teacher" else 2,
-            pretrain_data=pretrain_data,
+            pretrain_data=pretrain_data, base_model=base_model,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         models[role] = model
@@ -681,6 +765,10 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             info.update(single_f1=single["f1"], single_em=single["em"])
         if pretrain_steps:
             info["pretrain_turns"] = len(pretrain_steps)
+        if replay_steps:
+            info["replay_turns"] = len(replay_steps)
+        if base_model is not None:
+            info["shared_pretraining"] = True
         paths[role].mkdir(parents=True, exist_ok=True)
         model.save_pretrained(paths[role])
         tokenizer.save_pretrained(paths[role])

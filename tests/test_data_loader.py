@@ -102,7 +102,7 @@ def test_missing_id_names_the_index():
     [
         ({"answer": 3}, r"record 'abc123': field 'answer' must be a string, got int"),
         ({"question": None}, r"field 'question' must be a string, got NoneType"),
-        ({"type": "trivia"}, r"field 'type' must be one of \('bridge', 'comparison'\), got 'trivia'"),
+        ({"type": "trivia"}, r"field 'type' must be one of \('bridge', 'comparison', 'lookup'\), got 'trivia'"),
         ({"type": "multi"}, r"record 'abc123': field 'sub_answers' is missing, yet the record has type 'multi'"),
         ({"level": "HARD"}, r"field 'level' must be one of"),
         ({"context": {"title": []}}, r"field 'context' must be a list of \[title, sentences\], got dict"),

@@ -203,7 +203,7 @@ def test_single_questions_are_scored_as_before_even_with_a_semicolon():
         ({"sub_answers": ["Porto", "a;b"], "answer": "Porto ; a;b"}, r"'sub_answers'\[1\] \('a;b'\) holds ';'"),
         ({"answer": "Porto, novelist"}, r"field 'answer' \('Porto, novelist'\) must be the sub-answers joined by"),
         ({"sub_questions": ["only one"]}, r"field 'sub_questions' must be a list with one entry per sub-answer \(2\)"),
-        ({"sub_types": ["bridge", "trivia"]}, r"field 'sub_types'\[1\] must be one of \('bridge', 'comparison'\)"),
+        ({"sub_types": ["bridge", "trivia"]}, r"field 'sub_types'\[1\] must be one of \('bridge', 'comparison', 'lookup'\)"),
         ({"type": "bridge"}, r"field 'type' of a multi-objective task must be 'multi'"),
         ({"sub_answers": ...}, r"field 'sub_answers' is missing, yet the record has field\(s\) \['sub_questions'\]"),
     ],

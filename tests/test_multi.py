@@ -189,3 +189,29 @@ def test_a_k_question_task_needs_its_max_turns(world):
     assert short.info["end_reason"] == "max_turns" and short.f1 == 0.0
     enough = play_episode(HotpotQAEnv.factory(corpus=world.corpus, max_turns=multi_objective_max_turns(3))(), task)
     assert enough.info["end_reason"] == "answer" and enough.f1 == 1.0 and len(enough.steps) == 7
+
+
+def test_on_lookup_tasks_the_forgetful_experts_lose_what_only_the_memory_carries():
+    world = make_synthetic_world(120, seed=5, lookup_fraction=1.0)
+    for k in (2, 3):
+        tasks = make_multi_objective_tasks(world.records, k=k, seed=0)
+        turns = multi_objective_max_turns(k, searches_per_question=1)
+        make = HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=turns)
+        full = expert_trajectories(tasks, make)
+        assert statistics.mean(e.f1 for e in full) == 1.0 and {len(e.steps) for e in full} == {turns}
+        none = expert_trajectories(tasks, make, memory="none")
+        latest = expert_trajectories(tasks, make, memory="latest")
+        searches = expert_trajectories(tasks, make, memory="searches")
+        assert [e.queries for e in none] == [e.queries for e in latest] == [e.queries for e in full]
+        assert [e.queries for e in searches] == [e.queries for e in full]
+        assert [e.info["sub_f1"] for e in searches] == [e.info["sub_f1"] for e in none]
+        # A note of every search made, and none of the facts found.
+        _, answer = searches[0].steps[-1]
+        memory = parse_action(answer, FMT).memory
+        assert memory == " ".join(f"Searched {query}." for query in searches[0].queries)
+        assert all(fact not in memory for fact in gold_facts(tasks[0]))
+        for position in range(k - 1):  # a memory-less agent guesses every earlier sub-question
+            assert statistics.mean(e.info["sub_f1"][position] for e in none) == 0.0
+        assert statistics.mean(e.info["sub_f1"][k - 1] for e in none) == 1.0
+        # Only the latest fact kept: the one found just before the last search is still in memory at the answer.
+        assert statistics.mean(e.f1 for e in latest) == pytest.approx(2 / k if k > 2 else 1.0)

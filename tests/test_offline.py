@@ -250,3 +250,26 @@ def test_too_many_dagger_tasks_is_a_clear_error(tmp_path):
     world = make_offline_world(config, max_turns=3)
     with pytest.raises(ValueError, match="`dagger_questions` \\(13\\) exceeds the world's 12 training tasks"):
         prepare_offline_models(config, world, tmp_path)
+
+
+# Lookup tasks, one pretraining shared by both models, single questions replayed in the task phase.
+SHARED = dict(
+    TINY, num_sub_questions=2, lookup_fraction=1.0, pretrain_questions=12, replay_questions=4,
+    share_pretraining=True, student_expert_memory="none",
+)  # fmt: skip
+
+
+def test_shared_pretraining_and_replay_are_in_the_recipe_and_the_setup(tmp_path, capsys):
+    config = OfflineConfig(**SHARED)
+    world = make_offline_world(config, max_turns=multi_objective_max_turns(2, searches_per_question=1))
+    assert all(record["type"] == "lookup" for record in world.train_questions)
+    setup = prepare_offline_models(config, world, tmp_path, **GENERATION)
+    assert capsys.readouterr().out.count("shared copy warm-up and pretraining") == 1  # once for both models
+    for role in ("teacher", "student_init"):
+        assert setup[role]["shared_pretraining"] and setup[role]["replay_turns"] >= 8  # 4 questions x 2 turns
+        assert setup[role]["recipe"]["share_pretraining"] and setup[role]["recipe"]["lookup_fraction"] == 1.0
+        assert setup[role]["parameters"] == setup["teacher"]["parameters"]
+    with pytest.raises(ValueError, match="give the student the teacher's sizes"):
+        OfflineConfig(**{**SHARED, "student_hidden_size": 16})
+    with pytest.raises(ValueError, match="replay_questions"):
+        OfflineConfig(**{**SHARED, "replay_questions": 13})

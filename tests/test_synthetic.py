@@ -5,6 +5,9 @@ import pytest
 
 from memopd_trl.envs.data import validate_record
 from memopd_trl.envs.synthetic import (
+    LOOKUP_ANSWER_FIELD,
+    NAME_SYLLABLES,
+    LOOKUP_TEMPLATES,
     QUESTION_TEMPLATES,
     SyntheticWorld,
     find_fact,
@@ -52,7 +55,7 @@ def test_context_paragraphs_are_corpus_passages_and_titles_are_unique(world):
 
 def test_every_question_template_and_both_types_appear(world):
     kinds = Counter(parse_question(r["question"])[0] for r in world.records)
-    assert set(kinds) == set(QUESTION_TEMPLATES)
+    assert set(kinds) == set(QUESTION_TEMPLATES) - set(LOOKUP_TEMPLATES)  # lookups only with lookup_fraction > 0
     types = Counter(r["type"] for r in world.records)
     assert 0.25 < types["comparison"] / 300 < 0.55
 
@@ -183,3 +186,54 @@ def test_a_100k_question_world_builds_in_well_under_a_minute():
     elapsed = time.perf_counter() - start
     assert len(world.records) == 100_000 and len(world.corpus) == 400_000
     assert elapsed < 45
+
+
+def test_lookups_are_answered_by_their_one_passage_and_leave_other_worlds_unchanged():
+    mixed = make_synthetic_world(300, seed=7, lookup_fraction=0.5)
+    texts = passage_texts(mixed)
+    lookups = [r for r in mixed.records if r["type"] == "lookup"]
+    assert 0.4 < len(lookups) / 300 < 0.6
+    assert {parse_question(r["question"])[0] for r in lookups} == set(LOOKUP_TEMPLATES)
+    for index, record in enumerate(mixed.records):
+        validate_record(record, index)
+    for record in lookups:
+        template, (name,) = parse_question(record["question"])
+        assert record["supporting_facts"] == [[name, 0]]
+        title = name
+        kind = {"film_director": "film", "company_founder": "company"}.get(template, "person")
+        assert find_fact(kind, name, texts[title])[LOOKUP_ANSWER_FIELD[template]] == record["answer"]
+    # At lookup_fraction 0 the world is the one made before lookups existed: these are its first questions.
+    first = [r["question"] for r in make_synthetic_world(3, seed=7, lookup_fraction=0.0).records]
+    assert first == [r["question"] for r in make_synthetic_world(3, seed=7).records]
+    assert all(parse_question(q)[0] not in LOOKUP_TEMPLATES for q in first)
+    with pytest.raises(ValueError, match="lookup_fraction"):
+        make_synthetic_world(3, lookup_fraction=1.5)
+
+
+def test_short_names_are_two_syllable_words_with_no_syllable_repeated():
+    world = make_synthetic_world(200, seed=7, short_names=True, lookup_fraction=1.0)
+    syllables = sorted(NAME_SYLLABLES, key=len, reverse=True)
+
+    def split(word):  # the word's syllables (unambiguous here: every word is two of them)
+        for first in syllables:
+            rest = word.lower()[len(first):]
+            if word.lower().startswith(first) and rest in syllables:
+                return [first, rest]
+        raise AssertionError(f"{word} is not two syllables")
+
+    names = [p["title"] for p in world.corpus]
+    for name in names:
+        parts = [syllable for word in name.split() for syllable in split(word)]
+        assert len(parts) == 4 and len(set(parts)) == 4, name
+    for record in world.records:
+        validate_record(record, 0)
+    default = make_synthetic_world(200, seed=7, lookup_fraction=1.0)
+    assert any(len(split_or_none(w)) != 2 for p in default.corpus for w in p["title"].split())
+
+
+def split_or_none(word):
+    """The word's syllables when it is two of them, else []."""
+    for first in NAME_SYLLABLES:
+        if word.lower().startswith(first) and word.lower()[len(first):] in NAME_SYLLABLES:
+            return [first, word.lower()[len(first):]]
+    return []

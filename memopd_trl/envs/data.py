@@ -9,7 +9,7 @@ The official layout (the JSON files of the HotpotQA release) has seven fields pe
 | `question` | `str` |
 | `supporting_facts` | `[[title, sent_id], ...]` (`[str, int]`; absent from the official test file) |
 | `context` | `[[title, [sentence, ...]], ...]` |
-| `type` | `"bridge"` or `"comparison"` |
+| `type` | `"bridge"` or `"comparison"` (the synthetic world also has single-hop `"lookup"`) |
 | `level` | `"easy"`, `"medium"` or `"hard"` |
 
 The Hub copy (`hotpotqa/hotpot_qa`) stores the same data differently: `id` instead of `_id`, `context` as
@@ -29,7 +29,7 @@ from ..metrics import MULTI_ANSWER_SEPARATOR
 
 
 LABEL_FIELDS = ("answer", "supporting_facts", "type", "level")
-QUESTION_TYPES = ("bridge", "comparison")
+QUESTION_TYPES = ("bridge", "comparison", "lookup")  # "lookup": the synthetic world's single-hop questions
 LEVELS = ("easy", "medium", "hard")
 SETTINGS = ("distractor", "fullwiki")
 MULTI_OBJECTIVE_TYPE = "multi"

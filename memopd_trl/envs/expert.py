@@ -7,12 +7,13 @@ sentences it has found, copied verbatim, and acts:
 
 - bridge question: search the named entity, keep its fact (which names the bridge entity), search the bridge entity,
   keep its fact, answer;
+- lookup (single-hop): search the named entity, keep its fact, answer;
 - comparison question: search the first entity, keep its fact, search the second, keep its fact, compare, answer;
 - multi-objective task (numbered sub-questions, `memopd_trl.envs.multi`): work through the sub-questions in order as
   above, keeping every fact found so far, then answer all of them at once, joined by `" ; "`.
 
-A *forgetful* expert (`memory="latest"` or `"none"`) plays the same searches and answers in the same format, but its
-memory keeps only the latest fact found, or nothing: at the answer step it has forgotten the facts of earlier
+A *forgetful* expert (`memory="latest"`, `"none"` or `"searches"`) plays the same searches and answers in the same
+format, but its memory keeps only the latest fact found, nothing, or only a note of its searches: at the answer step it has forgotten the facts of earlier
 sub-questions and guesses those answers. It tells where it is in the task from its last query (which names the
 entity it searched), so it needs no memory to go on; a bridge entity is recognized by the fact that names it, in the
 memory or in the observation (which shows that passage too when `top_k >= 2`). When neither shows it, the forgetful
@@ -27,11 +28,11 @@ from typing import Any, NamedTuple
 from ..metrics import MULTI_ANSWER_SEPARATOR
 from .base import ActionFormat, MemoryAgentEnv, parse_action
 from .multi import parse_sub_questions
-from .synthetic import QUESTION_ENTITY_KIND, SyntheticWorld, find_fact, parse_question
+from .synthetic import LOOKUP_ANSWER_FIELD, QUESTION_ENTITY_KIND, SyntheticWorld, find_fact, parse_question
 
 
 NO_FACTS_MEMORY = "No facts yet."
-MEMORY_MODES = ("full", "latest", "none")
+MEMORY_MODES = ("full", "latest", "none", "searches")
 # Words appended to a query that missed, per entity kind: the later, more specific tries.
 _RETRY_WORDS = {"film": ("film", "directed"), "company": ("company", "founded"), "person": ("born", "later lived")}
 
@@ -58,8 +59,10 @@ class SyntheticExpert:
             of the entity's passage added, before the expert gives up and answers a guess.
         memory (`str`, *optional*, defaults to `"full"`):
             What the expert keeps in its memory: `"full"`, every fact sentence found so far; `"latest"`, only the
-            latest fact found; `"none"`, nothing (`NO_FACTS_MEMORY`). The searches and the answer format are the
-            same in every mode; a forgetful expert guesses the answers whose facts it no longer has.
+            latest fact found; `"none"`, nothing (`NO_FACTS_MEMORY`); `"searches"`, a note of each search made
+            (`"Searched Kalo Venu."`) and none of the facts found: it knows where it is in the task, not what it
+            learned. The searches and the answer format are the same in every mode; a forgetful expert guesses the
+            answers whose facts it no longer has.
 
     Example:
 
@@ -115,10 +118,11 @@ class SyntheticExpert:
                 (i for i, lookup in enumerate(plan) if last_query in _query_tries(lookup.name, lookup.kind, 2)), None
             )
             if searched is None:  # the entity it searched is unknown: it lost its place, and answers what it has
-                return self._render(self._memory(plan, None, memory_text), "answer", _answers(questions, plan))
+                memory = self._memory(plan, None, memory_text, last_query)
+                return self._render(memory, "answer", _answers(questions, plan))
             latest = plan[searched].fact
             start = searched if latest is None else searched + 1
-        memory = self._memory(plan, latest, memory_text)
+        memory = self._memory(plan, latest, memory_text, last_query)
         missing = next((lookup for lookup in plan[start:] if lookup.fact is None), None)
         if missing is None:
             return self._render(memory, "answer", _answers(questions, plan))
@@ -130,7 +134,12 @@ class SyntheticExpert:
             return self._render(memory, "search", tries[position + 1])
         return self._render(memory, "search", tries[0])
 
-    def _memory(self, plan: list[_Lookup], latest: dict[str, str] | None, memory_text: str) -> str:
+    def _memory(
+        self, plan: list[_Lookup], latest: dict[str, str] | None, memory_text: str, last_query: str | None
+    ) -> str:
+        if self.memory == "searches":  # what it did, not what it found
+            done = [] if memory_text in ("", NO_FACTS_MEMORY) else [memory_text]
+            return " ".join(done + ([f"Searched {last_query}."] if last_query else [])) or NO_FACTS_MEMORY
         if self.memory == "full":
             return " ".join(lookup.fact["sentence"] for lookup in plan if lookup.fact is not None) or NO_FACTS_MEMORY
         if self.memory == "latest":
@@ -176,7 +185,7 @@ def _split_messages(messages: list[dict[str, str]]) -> tuple[str, str | None, st
 def _needed_entities(question: int, template: str, entities: tuple[str, ...], known: str) -> list[_Lookup]:
     """The facts sub-question `question` needs, in the order they are searched (a bridge entity once it is known)."""
     kind = QUESTION_ENTITY_KIND[template]
-    if len(entities) == 2:  # comparison: one fact per named entity
+    if template in LOOKUP_ANSWER_FIELD or len(entities) == 2:  # a lookup's one fact, or one per compared entity  # comparison: one fact per named entity
         return [_Lookup(question, name, kind, find_fact(kind, name, known)) for name in entities]
     head = find_fact(kind, entities[0], known)
     needed = [_Lookup(question, entities[0], kind, head)]
@@ -196,12 +205,15 @@ def _answers(questions: list[tuple[str, tuple[str, ...]]], plan: list[_Lookup]) 
     for index, (template, entities) in enumerate(questions):
         lookups = [lookup for lookup in plan if lookup.question == index]
         facts = [lookup.fact for lookup in lookups if lookup.fact is not None]
-        complete = len(facts) == len(lookups) == (len(entities) if len(entities) == 2 else 2)
+        needed = 1 if template in LOOKUP_ANSWER_FIELD else 2
+        complete = len(facts) == len(lookups) == needed
         parts.append(_answer(template, facts) if complete else _guess(template, entities))
     return MULTI_ANSWER_SEPARATOR.join(parts)
 
 
 def _answer(template: str, facts: list[dict[str, str]]) -> str:
+    if template in LOOKUP_ANSWER_FIELD:
+        return facts[0][LOOKUP_ANSWER_FIELD[template]]
     if template in ("director_birthplace", "founder_birthplace"):
         return facts[-1]["city"]
     if template == "director_occupation":

@@ -63,9 +63,15 @@ QUESTION_TEMPLATES = {
     "founded_first": ("comparison", "Which company was founded first, {a} or {b}?"),
     "released_later": ("comparison", "Which film was released more recently, {a} or {b}?"),
     "same_birthplace": ("comparison", "Were {a} and {b} born in the same city?"),
+    # Single-hop lookups (one passage answers them), asked only when `lookup_fraction > 0`.
+    "film_director": ("lookup", "Who directed {a}?"),
+    "company_founder": ("lookup", "Who founded {a}?"),
+    "person_birthplace": ("lookup", "Where was {a} born?"),
+    "person_occupation": ("lookup", "What is the occupation of {a}?"),
 }
 BRIDGE_TEMPLATES = tuple(k for k, (t, _) in QUESTION_TEMPLATES.items() if t == "bridge")
 COMPARISON_TEMPLATES = tuple(k for k, (t, _) in QUESTION_TEMPLATES.items() if t == "comparison")
+LOOKUP_TEMPLATES = tuple(k for k, (t, _) in QUESTION_TEMPLATES.items() if t == "lookup")
 # Kind of the entities each question names: what the first search of each must find.
 QUESTION_ENTITY_KIND = {
     "director_birthplace": "film",
@@ -74,6 +80,17 @@ QUESTION_ENTITY_KIND = {
     "founded_first": "company",
     "released_later": "film",
     "same_birthplace": "person",
+    "film_director": "film",
+    "company_founder": "company",
+    "person_birthplace": "person",
+    "person_occupation": "person",
+}
+# What a lookup's answer is: the field of its entity's fact (`find_fact`).
+LOOKUP_ANSWER_FIELD = {
+    "film_director": "director",
+    "company_founder": "founder",
+    "person_birthplace": "city",
+    "person_occupation": "occupation",
 }
 
 _NAME = r"[A-Z][a-z]+ [A-Z][a-z]+"
@@ -181,14 +198,20 @@ class SyntheticWorld:
 class _WorldBuilder:
     """Makes entities with unique names, their passages and the questions over them."""
 
-    def __init__(self, rng: random.Random, num_cities: int, filler_prob: float):
+    def __init__(self, rng: random.Random, num_cities: int, filler_prob: float, short_names: bool = False):
         self.rng = rng
         self.filler_prob = filler_prob
+        self.short_names = short_names
         # Every word of two or three syllables, in a fixed order; names and cities are drawn from these.
         two = [(a + b).capitalize() for a in NAME_SYLLABLES for b in NAME_SYLLABLES]
         three = [(a + b + c).capitalize() for a in NAME_SYLLABLES for b in NAME_SYLLABLES for c in NAME_SYLLABLES]
         two = [w for w in two if w.lower() not in _RESERVED]
         three = [w for w in three if w.lower() not in _RESERVED]
+        self.syllables: dict[str, tuple[str, ...]] = {}
+        if short_names:  # two syllables a word, none repeated: a name copies token by token without ambiguity
+            self.syllables = {(a + b).capitalize(): (a, b) for a in NAME_SYLLABLES for b in NAME_SYLLABLES if a != b}
+            two = [w for w in two if w in self.syllables]
+            three = []
         cities: dict[str, None] = {}  # insertion-ordered set
         while len(cities) < num_cities:
             cities[self._pick(two, three)] = None
@@ -199,7 +222,7 @@ class _WorldBuilder:
         self.passages: dict[str, list[str]] = {}  # title -> sentences (HotpotQA layout: later ones start with a space)
 
     def _pick(self, two: list[str], three: list[str]) -> str:
-        words = two if self.rng.random() < 0.5 else three
+        words = two if not three or self.rng.random() < 0.5 else three
         return words[self.rng.randrange(len(words))]
 
     def _name_word(self) -> str:
@@ -215,6 +238,8 @@ class _WorldBuilder:
                 position = self.rng.randrange(2)
                 words = [kept[0], self._name_word()] if position == 0 else [self._name_word(), kept[1]]
             key = frozenset(words)
+            if self.short_names and len({syllable for w in words for syllable in self.syllables[w]}) < 4:
+                continue
             if len(key) == 2 and key not in self.used_words:
                 self.used_words.add(key)
                 return " ".join(words)
@@ -252,6 +277,11 @@ class _WorldBuilder:
 
     def question(self, template: str) -> tuple[str, str, list[tuple[str, str]]]:
         """Returns the question, its answer and its gold passages as `(title, kind)`, writing those passages."""
+        if template in LOOKUP_TEMPLATES:
+            kind, name = QUESTION_ENTITY_KIND[template], self.name()
+            facts = self.entity(kind, name)
+            answer = facts[LOOKUP_ANSWER_FIELD[template]]
+            return QUESTION_TEMPLATES[template][1].format(a=name), answer, [(name, kind)]
         if template in ("director_birthplace", "director_occupation", "founder_birthplace"):
             kind = "company" if template == "founder_birthplace" else "film"
             head, person = self.name(), self.name()
@@ -301,6 +331,8 @@ def make_synthetic_world(
     context_size: int = 10,
     filler_prob: float = 0.3,
     num_cities: int | None = None,
+    lookup_fraction: float = 0.0,
+    short_names: bool = False,
 ) -> SyntheticWorld:
     """
     Make a seeded synthetic world of multi-hop questions and the passages that answer them.
@@ -322,10 +354,20 @@ def make_synthetic_world(
             Probability that a passage has a second, filler sentence after its fact.
         num_cities (`int`, *optional*):
             Number of distinct city names; defaults to `min(2000, max(20, num_questions // 4))`.
+        lookup_fraction (`float`, *optional*, defaults to `0.0`):
+            Fraction of single-hop lookups (`"Who directed A?"`, `"Where was A born?"`, ...: one passage answers
+            them, record `type` `"lookup"`), e.g. as the sub-questions of multi-objective tasks; the rest are bridge
+            and comparison questions as `comparison_fraction` says. At 0 the world is the one made before lookups
+            existed, draw for draw.
+        short_names (`bool`, *optional*, defaults to `False`):
+            Build names and cities from two-syllable words only, with no syllable repeated within a name
+            (`"Kalo Venu"`, never `"Kalo Lomi"` or `"Kalodor Venu"`): a tiny model trained for minutes copies such a
+            name far more reliably, since each of its tokens follows a distinct one. Cities then default to at most
+            300 names.
 
     Returns:
         `SyntheticWorld`: records in HotpotQA's layout and the corpus of all passages. A record's `supporting_facts`
-        are its two gold passages' first sentences (the first hop first for a bridge question); its `level` is
+        are its gold passages' first sentences (two, or one for a lookup) (the first hop first for a bridge question); its `level` is
         `"hard"` when the question has distractor passages and `"easy"` otherwise.
     """
     if not isinstance(num_questions, int) or num_questions < 1:
@@ -334,15 +376,18 @@ def make_synthetic_world(
         raise ValueError(f"`num_distractors` must be None or >= 0, got {num_distractors}.")
     if not 0.0 <= comparison_fraction <= 1.0:
         raise ValueError(f"`comparison_fraction` must be in [0, 1], got {comparison_fraction}.")
+    if not 0.0 <= lookup_fraction <= 1.0:
+        raise ValueError(f"`lookup_fraction` must be in [0, 1], got {lookup_fraction}.")
     if context_size < 2:
         raise ValueError(f"`context_size` must be >= 2 (the two gold passages), got {context_size}.")
     if not 0.0 <= filler_prob <= 1.0:
         raise ValueError(f"`filler_prob` must be in [0, 1], got {filler_prob}.")
     num_distractors = 2 if num_distractors is None else num_distractors
-    num_cities = num_cities or min(2000, max(20, num_questions // 4))
+    num_cities = num_cities or min(300 if short_names else 2000, max(20, num_questions // 4))
     with _gc_paused():
         return _build_world(
-            num_questions, seed, num_distractors, comparison_fraction, context_size, filler_prob, num_cities
+            num_questions, seed, num_distractors, comparison_fraction, context_size, filler_prob, num_cities,
+            lookup_fraction, short_names,
         )
 
 
@@ -354,14 +399,19 @@ def _build_world(
     context_size: int,
     filler_prob: float,
     num_cities: int,
+    lookup_fraction: float,
+    short_names: bool,
 ) -> SyntheticWorld:
     rng = random.Random(seed)
-    builder = _WorldBuilder(rng, num_cities, filler_prob)
+    builder = _WorldBuilder(rng, num_cities, filler_prob, short_names)
 
     questions = []  # (question, answer, type, gold [(title, kind)], distractor titles)
     for _ in range(num_questions):
-        is_comparison = rng.random() < comparison_fraction
-        template = rng.choice(COMPARISON_TEMPLATES if is_comparison else BRIDGE_TEMPLATES)
+        if lookup_fraction > 0 and rng.random() < lookup_fraction:  # no draw at 0: older worlds stay the same
+            template = rng.choice(LOOKUP_TEMPLATES)
+        else:
+            is_comparison = rng.random() < comparison_fraction
+            template = rng.choice(COMPARISON_TEMPLATES if is_comparison else BRIDGE_TEMPLATES)
         question, answer, gold = builder.question(template)
         distractors = []
         for i in range(num_distractors):
@@ -408,4 +458,8 @@ def _build_world(
         "filler_prob": filler_prob,
         "num_cities": num_cities,
     }
+    if lookup_fraction > 0:
+        meta["lookup_fraction"] = lookup_fraction
+    if short_names:
+        meta["short_names"] = True
     return SyntheticWorld(records=records, corpus=corpus, seed=seed, meta=meta)
