@@ -118,6 +118,11 @@ class MemOPDConfig(_BaseConfig):
             each action token's PPO advantage, with `q` the teacher and `p` the rollout policy at the sampled token
             `a`, both at the sampling `temperature`. 0 disables it; it needs a teacher and `ppo_coef > 0`, and can be
             used beside the full-vocabulary distillation loss or instead of it (`distill_coef=0`).
+        distill_until_divergence (`float`, *optional*, defaults to `0.0`):
+            Distill each action only up to its first sampled token whose teacher probability (at the sampling
+            `temperature`) is below this value, that token included (`memopd_trl.losses.until_first_divergence`):
+            after a token the teacher would not have written, its distributions continue a prefix it never saw. The
+            PPO term still covers every token. 0 distills every token; it needs `distill_coef > 0`.
         kl_coef (`float`, *optional*, defaults to `0.0`):
             Weight of a KL penalty to the student's initial weights (a frozen reference copy); 0 disables it.
         epsilon (`float`, *optional*, defaults to `0.2`):
@@ -309,6 +314,14 @@ class MemOPDConfig(_BaseConfig):
             "Needs a teacher and `ppo_coef` > 0."
         },
     )
+    distill_until_divergence: float = field(
+        default=0.0,
+        metadata={
+            "help": "Distill each action only up to its first sampled token whose teacher probability (at the sampling "
+            "temperature) is below this value, that token included: after it the teacher continues a prefix it never "
+            "saw. 0 = every token."
+        },
+    )
     kl_coef: float = field(
         default=0.0, metadata={"help": "Weight of a KL penalty to a frozen copy of the initial student (0 = off)."}
     )
@@ -391,6 +404,13 @@ class MemOPDConfig(_BaseConfig):
                 f"`sampled_kl_coef` ({self.sampled_kl_coef}) adds to the PPO advantages, but `ppo_coef` is 0, so they "
                 "are never used: set `ppo_coef` > 0, or `sampled_kl_coef=0` (and `distill_coef` > 0 for pure "
                 "distillation)."
+            )
+        if not 0.0 <= self.distill_until_divergence < 1.0:
+            bad("distill_until_divergence", "in [0, 1) (a probability; 0 turns it off)")
+        if self.distill_until_divergence > 0 and self.distill_coef == 0:
+            raise ValueError(
+                f"`distill_until_divergence` ({self.distill_until_divergence}) selects the tokens of the distillation "
+                "loss, but `distill_coef` is 0: set `distill_coef` > 0, or `distill_until_divergence=0`."
             )
         if not 0.0 <= self.beta <= 1.0:
             bad("beta", "in [0, 1]")

@@ -121,6 +121,11 @@ class OfflineConfig:
             which plays the same searches and answer format.
             A forgetful expert gives a student start that has the capabilities and lacks the memory policy; its traces
             are played without mistakes (after a slip a forgetful expert loses its place and gives up).
+        student_full_memory_fraction (`float`, *optional*, defaults to `0.0`):
+            Fraction of the student start's warm-up tasks (the last ones) whose traces come from the full expert, the
+            rest from the `student_expert_memory` one: a start that has seen the memory policy, can carry it out when
+            it samples it, and mostly does not (the way a pretrained model has skills it does not use). 0 imitates the
+            forgetful expert alone.
         dagger_questions (`int`, *optional*, defaults to `0`):
             Training tasks whose student-visited states are labelled by the full expert and added to the teacher's
             imitation data (DAgger-style: the teacher then also learns to act in the states a student reaches). The
@@ -224,6 +229,11 @@ class OfflineConfig:
         metadata={"help": "Memory of the expert the student start imitates: `full` (the teacher's), or a forgetful "
                   "`latest` (only the latest fact) or `none` (nothing), with the same searches and answer format."},
     )  # fmt: skip
+    student_full_memory_fraction: float = field(
+        default=0.0,
+        metadata={"help": "Fraction of the student start's warm-up tasks played by the full expert instead of the "
+                  "forgetful one: a start that has seen the memory policy and mostly does not follow it."},
+    )  # fmt: skip
     dagger_questions: int = field(
         default=0,
         metadata={"help": "Training tasks whose student-visited states (sampled at temperature 1) are labelled by the "
@@ -299,6 +309,10 @@ class OfflineConfig:
                 f"sizes (student {self.student_hidden_size} x {self.student_layers} layers, teacher "
                 f"{self.teacher_hidden_size} x {self.teacher_layers})."
             )
+        if not 0.0 <= self.student_full_memory_fraction <= 1.0:
+            raise ValueError(
+                f"`student_full_memory_fraction` must be in [0, 1], got {self.student_full_memory_fraction}."
+            )
         if self.student_expert_memory not in MEMORY_MODES:
             raise ValueError(
                 f"`student_expert_memory` must be one of {MEMORY_MODES}, got {self.student_expert_memory!r}."
@@ -329,6 +343,7 @@ _LATER_OPTION_DEFAULTS = {
     "short_names": False,
     "share_pretraining": False,
     "replay_questions": 0,
+    "student_full_memory_fraction": 0.0,
 }
 
 
@@ -564,6 +579,8 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
     recipes["student_init"]["warmup_questions"] = config.student_warmup_questions
     if config.student_expert_memory != _LATER_OPTION_DEFAULTS["student_expert_memory"]:
         recipes["student_init"]["expert_memory"] = config.student_expert_memory
+    if config.student_full_memory_fraction > 0:
+        recipes["student_init"]["full_memory_fraction"] = config.student_full_memory_fraction
     if config.dagger_questions > 0:
         recipes["teacher"]["dagger_student"] = dict(recipes["student_init"])
     return recipes
@@ -692,9 +709,11 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
     if config.student_expert_memory != "full":
         # Played without mistakes: after a slip a forgetful expert has lost its place and gives up (it answers what
         # it has), so its labels there would teach the start to give up, not to forget.
+        num_full = round(config.student_full_memory_fraction * config.student_warmup_questions)
+        warmup = world.train[: config.student_warmup_questions]
         student_trajectories = expert_trajectories(
-            world.train[: config.student_warmup_questions], world.env_factory, memory=config.student_expert_memory
-        )
+            warmup[: len(warmup) - num_full], world.env_factory, memory=config.student_expert_memory
+        ) + (expert_trajectories(warmup[len(warmup) - num_full :], world.env_factory) if num_full else [])
     policy_steps["student_init"] = [step for trajectory in student_trajectories for step in trajectory.steps]
     pretrain_steps = []
     if config.pretrain_questions > 0:

@@ -63,6 +63,7 @@ from .losses import (
     kl_penalty,
     ppo_clip_loss,
     sampled_kl_advantages,
+    until_first_divergence,
     value_loss,
 )
 from .packing import PackedInvocationCollator
@@ -416,9 +417,15 @@ class MemOPDTrainer(_BaseTrainer):
             teacher = self.accelerator.unwrap_model(self.teacher_model)
             with torch.no_grad():
                 batch["teacher_hidden"] = action_hidden_states(teacher, teacher_batch)  # (N, H_teacher)
-                if args.sampled_kl_coef > 0:
+                if args.sampled_kl_coef > 0 or args.distill_until_divergence > 0:
                     # The teacher's log-prob of each sampled token at the sampling temperature, as `old_logprobs`.
                     teacher_logprobs = self._sampled_token_logprobs(teacher, batch["teacher_hidden"], student_batch)
+                if args.distill_until_divergence > 0:
+                    batch["distill_mask"] = until_first_divergence(
+                        teacher_logprobs, batch["sequence_ids"], args.distill_until_divergence
+                    )  # (N,)
+                    self._metrics["train"]["distill/kept_tokens"].append(batch["distill_mask"].float().mean().item())
+                if args.sampled_kl_coef > 0:
                     token_rewards = sampled_kl_advantages(teacher_logprobs, batch["old_logprobs"])  # (N,)
                     batch["advantages"] = batch["advantages"] + args.sampled_kl_coef * token_rewards
                     self._metrics["train"]["distill/sampled_reverse_kl"].append(-token_rewards.mean().item())
@@ -665,6 +672,8 @@ class MemOPDTrainer(_BaseTrainer):
                             teacher_bias=teacher_bias,
                             chunk_size=args.logit_chunk_size,
                         )  # (N,)
+                        if "distill_mask" in inputs:  # the tokens up to each action's first divergence
+                            divergence = divergence[inputs["distill_mask"]]
                         distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
                         loss = loss + args.distill_coef * distill
                         metrics["loss/distill"].append(distill.item())

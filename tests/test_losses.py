@@ -16,6 +16,7 @@ from memopd_trl.losses import (
     kl_penalty,
     ppo_clip_loss,
     sampled_kl_advantages,
+    until_first_divergence,
     value_loss,
 )
 
@@ -704,3 +705,26 @@ def test_broadcast_to_tokens_repeats_each_episode_value():
         broadcast_to_tokens(torch.tensor([1.0, 2.0]), [1, -1])
     with pytest.raises(ValueError, match="tokens_per_episode"):
         broadcast_to_tokens(torch.tensor([1.0, 2.0]), [1])
+
+
+def test_until_first_divergence_keeps_each_action_up_to_its_first_unlikely_token():
+    generator = torch.Generator().manual_seed(0)
+    lengths = [5, 1, 7, 3, 6]
+    sequence_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    logprobs = -torch.rand(sum(lengths), generator=generator) * 5  # probabilities from e^-5 to 1
+    mask = until_first_divergence(logprobs, sequence_ids, threshold=0.1)
+    expected, start = [], 0
+    for length in lengths:  # by hand, one action at a time
+        diverged = False
+        for lp in logprobs[start : start + length].tolist():
+            expected.append(not diverged)
+            diverged = diverged or lp < math.log(0.1)
+        start += length
+    assert mask.tolist() == expected
+    assert 0 < mask.sum() < len(expected), "the check needs kept and dropped tokens"
+    # A mask that ignored the action boundaries (one cumulative count over the batch) would differ.
+    assert mask.tolist() != (torch.cumsum((logprobs < math.log(0.1)).long(), 0) - (logprobs < math.log(0.1)).long() == 0).tolist()
+    with pytest.raises(ValueError, match="non-decreasing"):
+        until_first_divergence(logprobs, sequence_ids.flip(0), threshold=0.1)
+    with pytest.raises(ValueError, match="threshold"):
+        until_first_divergence(logprobs, sequence_ids, threshold=0.0)

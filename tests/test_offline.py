@@ -273,3 +273,13 @@ def test_shared_pretraining_and_replay_are_in_the_recipe_and_the_setup(tmp_path,
         OfflineConfig(**{**SHARED, "student_hidden_size": 16})
     with pytest.raises(ValueError, match="replay_questions"):
         OfflineConfig(**{**SHARED, "replay_questions": 13})
+
+
+def test_a_student_start_that_has_seen_the_memory_policy_has_it_in_its_recipe():
+    config = OfflineConfig(**{**SHARED, "student_full_memory_fraction": 0.25})
+    world = make_offline_world(config, max_turns=multi_objective_max_turns(2, searches_per_question=1))
+    recipes = offline_recipes(config, world)
+    assert recipes["student_init"]["full_memory_fraction"] == 0.25 and "full_memory_fraction" not in recipes["teacher"]
+    assert "full_memory_fraction" not in offline_recipes(OfflineConfig(**SHARED), world)["student_init"]
+    with pytest.raises(ValueError, match="student_full_memory_fraction"):
+        OfflineConfig(**{**SHARED, "student_full_memory_fraction": 1.5})

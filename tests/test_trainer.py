@@ -834,3 +834,37 @@ def test_sampled_kl_advantage_trains_with_ppo_alone_and_needs_a_teacher_and_ppo(
         make_config(tmp_path, ppo_coef=0.0, sampled_kl_coef=1.0)
     with pytest.raises(ValueError, match="`sampled_kl_coef` must be >= 0"):
         make_config(tmp_path, sampled_kl_coef=-1.0)
+
+
+def test_distill_until_divergence_distills_each_action_only_up_to_its_first_unlikely_token(
+    tmp_path, world, make_tiny_model, tiny_tokenizer
+):
+    from memopd_trl.losses import chunked_generalized_jsd, until_first_divergence
+    from memopd_trl.scoring import full_logits_action_logprobs
+
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1, hidden_size=48)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(3.0)  # a confident teacher: some sampled tokens fall below 0.2
+    trainer = MemOPDTrainer(
+        model=student, teacher_model=teacher,
+        args=make_config(tmp_path, distill_until_divergence=0.2, num_generations=4),
+        train_dataset=world.records, env_factory=LengthRewardEnv.factory(), processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    rollout = trainer._rollout(world.records[:2])
+    batch = trainer._score(rollout)
+    with torch.no_grad():
+        teacher_logprobs = full_logits_action_logprobs(teacher, rollout.invocations, temperature=1.0)
+    expected = until_first_divergence(teacher_logprobs, batch["sequence_ids"], 0.2)
+    assert torch.equal(batch["distill_mask"], expected)
+    assert 0 < expected.sum() < expected.numel(), "the check needs kept and dropped tokens"
+    trainer._metrics["train"].clear()
+    trainer._student_loss(student, batch)
+    (masked,) = trainer._metrics["train"]["loss/distill"]
+    del batch["distill_mask"]
+    trainer._student_loss(student, batch)
+    _, every_token = trainer._metrics["train"]["loss/distill"]
+    assert masked != pytest.approx(every_token), "the mask must change the distillation loss"
+    with pytest.raises(ValueError, match="`distill_until_divergence` .* but `distill_coef` is 0"):
+        make_config(tmp_path, distill_coef=0.0, distill_until_divergence=0.1)
+    with pytest.raises(ValueError, match="`distill_until_divergence` must be in"):
+        make_config(tmp_path, distill_until_divergence=1.0)
