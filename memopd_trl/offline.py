@@ -137,6 +137,11 @@ class OfflineConfig:
         expert_mistake_prob (`float`, *optional*, defaults to `0.2`):
             Probability that a search turn of the expert's traces is played with a mistake (garbled query, repeated
             search, forgotten fact) while the trace keeps the expert's own action.
+        teacher_forgetful_states (`int`, *optional*, defaults to `0`):
+            Training tasks played by the `student_expert_memory` expert (scripted, without mistakes) whose every
+            state is labelled by the full expert and added to the teacher's imitation data: the states a forgetful
+            start reaches, with the actions that recover from them (DAgger with the scripted forgetful expert as
+            the roll-in policy: no model rollout, no garbled names). 0 turns it off.
         teacher_epochs (`float`, *optional*, defaults to `2.0`):
             Epochs of teacher imitation.
         teacher_learning_rate (`float`, *optional*, defaults to `3e-3`):
@@ -251,6 +256,12 @@ class OfflineConfig:
         metadata={"help": "Probability that a search turn of the expert's traces is played with a mistake (garbled "
                   "query, repeated search, forgotten fact) while the trace keeps the expert's own action."},
     )  # fmt: skip
+    teacher_forgetful_states: int = field(
+        default=0,
+        metadata={"help": "Training tasks played by the student's forgetful expert whose every state is labelled by "
+                  "the full expert and added to the teacher's data: the teacher learns to act in the states a "
+                  "forgetful start reaches; 0 turns it off."},
+    )  # fmt: skip
     teacher_epochs: float = field(default=2.0, metadata={"help": "Epochs of teacher imitation."})
     teacher_learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate of teacher imitation."})
     student_warmup_questions: int = field(
@@ -284,7 +295,7 @@ class OfflineConfig:
                 f"`num_sub_questions` ({self.num_sub_questions}) exceeds `num_train_questions` or "
                 f"`num_eval_questions` ({self.num_train_questions}, {self.num_eval_questions}): no task can be made."
             )
-        for name in ("pretrain_questions", "dagger_questions"):
+        for name in ("pretrain_questions", "dagger_questions", "teacher_forgetful_states"):
             if getattr(self, name) < 0:
                 raise ValueError(f"`{name}` must be >= 0 (0 turns it off), got {getattr(self, name)}.")
         if self.pretrain_questions > self.num_train_questions:
@@ -579,6 +590,9 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
     recipes["student_init"]["warmup_questions"] = config.student_warmup_questions
     if config.student_expert_memory != _LATER_OPTION_DEFAULTS["student_expert_memory"]:
         recipes["student_init"]["expert_memory"] = config.student_expert_memory
+    if config.teacher_forgetful_states > 0:
+        recipes["teacher"]["forgetful_states"] = config.teacher_forgetful_states
+        recipes["teacher"]["forgetful_memory"] = config.student_expert_memory
     if config.student_full_memory_fraction > 0:
         recipes["student_init"]["full_memory_fraction"] = config.student_full_memory_fraction
     if config.dagger_questions > 0:
@@ -658,7 +672,7 @@ def prepare_offline_models(
         with `replay_questions` `replay_turns`, and with `share_pretraining` `shared_pretraining: true`.
     """
     tasks = "tasks" if world.multi_objective else "questions"
-    for name in ("student_warmup_questions", "dagger_questions"):
+    for name in ("student_warmup_questions", "dagger_questions", "teacher_forgetful_states"):
         if getattr(config, name) > len(world.train):
             raise ValueError(
                 f"`{name}` ({getattr(config, name)}) exceeds the world's {len(world.train)} training {tasks}: lower "
@@ -768,6 +782,10 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             dagger_steps = _dagger_steps(models["student_init"], tokenizer, world, config, generation)
             steps = steps + dagger_steps
             info["dagger_turns"] = len(dagger_steps)
+        if role == "teacher" and config.teacher_forgetful_states > 0:
+            forgetful_steps = _forgetful_state_steps(world, config)
+            steps = steps + forgetful_steps
+            info["forgetful_state_turns"] = len(forgetful_steps)
         invocations = expert_invocations(steps, tokenizer)
         _warn_if_actions_outgrow_generation(role, invocations + pretrain_data, generation["max_new_tokens"])
         start = time.perf_counter()
@@ -810,6 +828,21 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             f"{info['final_action_nll']:.3f}, held-out F1 {scores['f1']:.3f} EM {scores['em']:.3f}{single} "
             f"({seconds:.0f} s)"
         )
+
+
+def _forgetful_state_steps(world, config) -> list[tuple[list[dict[str, str]], str]]:
+    """The full expert's actions in every state of the forgetful expert's play on `teacher_forgetful_states` tasks."""
+    env = world.env_factory()
+    full = SyntheticExpert(env.action_format, memory="full")
+    forgetful = SyntheticExpert(env.action_format, memory=config.student_expert_memory)
+    steps = []
+    for record in world.train[: config.teacher_forgetful_states]:
+        messages = env.reset(record)
+        while not env.done:
+            steps.append((messages, full(messages)))
+            if not env.step(forgetful(messages)).done:
+                messages = env.messages()
+    return steps
 
 
 def _dagger_steps(student, tokenizer, world, config, generation) -> list[tuple[list[dict[str, str]], str]]:

@@ -283,3 +283,24 @@ def test_a_student_start_that_has_seen_the_memory_policy_has_it_in_its_recipe():
     assert "full_memory_fraction" not in offline_recipes(OfflineConfig(**SHARED), world)["student_init"]
     with pytest.raises(ValueError, match="student_full_memory_fraction"):
         OfflineConfig(**{**SHARED, "student_full_memory_fraction": 1.5})
+
+
+def test_the_teacher_learns_the_full_experts_actions_in_the_forgetful_experts_states():
+    from memopd_trl.envs.base import parse_action
+    from memopd_trl.offline import _forgetful_state_steps
+
+    config = OfflineConfig(**{**SHARED, "teacher_forgetful_states": 4, "student_expert_memory": "searches"})
+    world = make_offline_world(config, max_turns=4)
+    steps = _forgetful_state_steps(world, config)
+    assert len(steps) == 4 * 3  # every state of the forgetful play: two searches and the answer
+    fmt = world.env_factory().action_format
+    for messages, action in steps[2::3]:  # the forgetful expert's answer state: its memory kept no fact
+        seen = parse_action(messages[-2]["content"], fmt).memory
+        assert seen.startswith("Searched ") and " is " not in seen
+        label = parse_action(action, fmt)
+        assert label.kind == "search" and " is " in label.memory  # the full expert keeps the fact and searches again
+    recipes = offline_recipes(config, world)
+    assert recipes["teacher"]["forgetful_states"] == 4 and recipes["teacher"]["forgetful_memory"] == "searches"
+    assert "forgetful_states" not in recipes["student_init"]
+    with pytest.raises(ValueError, match="teacher_forgetful_states"):
+        OfflineConfig(**{**SHARED, "teacher_forgetful_states": -1})
