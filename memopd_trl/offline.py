@@ -40,6 +40,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from . import scoring  # noqa: F401  (registers the "memopd_sdpa_varlen" attention the tiny models use)
 from .diagnostics import expert_labels
+from .envs.base import parse_action
 from .envs.expert import MEMORY_MODES, SyntheticExpert, expert_trajectories
 from .envs.hotpot import HotpotQAEnv
 from .envs.multi import make_multi_objective_tasks
@@ -138,10 +139,11 @@ class OfflineConfig:
             Probability that a search turn of the expert's traces is played with a mistake (garbled query, repeated
             search, forgotten fact) while the trace keeps the expert's own action.
         teacher_forgetful_states (`int`, *optional*, defaults to `0`):
-            Training tasks played by the `student_expert_memory` expert (scripted, without mistakes) whose every
-            state is labelled by the full expert and added to the teacher's imitation data: the states a forgetful
-            start reaches, with the actions that recover from them (DAgger with the scripted forgetful expert as
-            the roll-in policy: no model rollout, no garbled names). 0 turns it off.
+            Training tasks played by the `student_expert_memory` expert (scripted, without mistakes) until it would
+            answer with facts forgotten, then by the full expert, which recovers (searches the forgotten facts again);
+            every state is labelled by the full expert and added to the teacher's imitation data: the states a
+            forgetful start reaches, with the actions that recover from them (DAgger with the scripted forgetful
+            expert as the roll-in policy: no model rollout, no garbled names). 0 turns it off.
         teacher_epochs (`float`, *optional*, defaults to `2.0`):
             Epochs of teacher imitation.
         teacher_learning_rate (`float`, *optional*, defaults to `3e-3`):
@@ -831,16 +833,24 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
 
 
 def _forgetful_state_steps(world, config) -> list[tuple[list[dict[str, str]], str]]:
-    """The full expert's actions in every state of the forgetful expert's play on `teacher_forgetful_states` tasks."""
+    """
+    The full expert's actions in every state of `teacher_forgetful_states` tasks played by the forgetful expert until
+    it would answer (with facts forgotten), and by the full expert from there on (its recovery: keep what the latest
+    observation shows, search the forgotten facts again, answer every sub-question in order).
+    """
     env = world.env_factory()
     full = SyntheticExpert(env.action_format, memory="full")
     forgetful = SyntheticExpert(env.action_format, memory=config.student_expert_memory)
-    steps = []
+    steps, recovering = [], False
     for record in world.train[: config.teacher_forgetful_states]:
-        messages = env.reset(record)
+        messages, recovering = env.reset(record), False
         while not env.done:
-            steps.append((messages, full(messages)))
-            if not env.step(forgetful(messages)).done:
+            label = full(messages)
+            steps.append((messages, label))
+            played = label if recovering else forgetful(messages)
+            if parse_action(played, env.action_format).kind == "answer" and played != label:
+                played, recovering = label, True
+            if not env.step(played).done:
                 messages = env.messages()
     return steps
 

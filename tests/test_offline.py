@@ -292,13 +292,17 @@ def test_the_teacher_learns_the_full_experts_actions_in_the_forgetful_experts_st
     config = OfflineConfig(**{**SHARED, "teacher_forgetful_states": 4, "student_expert_memory": "searches"})
     world = make_offline_world(config, max_turns=4)
     steps = _forgetful_state_steps(world, config)
-    assert len(steps) == 4 * 3  # every state of the forgetful play: two searches and the answer
+    # Per task: the forgetful play's two searches, then the full expert's recovery (search again, answer).
+    assert len(steps) == 4 * 4
     fmt = world.env_factory().action_format
-    for messages, action in steps[2::3]:  # the forgetful expert's answer state: its memory kept no fact
+    for messages, action in steps[2::4]:  # the state where the forgetful expert would answer: its memory kept no fact
         seen = parse_action(messages[-2]["content"], fmt).memory
         assert seen.startswith("Searched ") and " is " not in seen
         label = parse_action(action, fmt)
         assert label.kind == "search" and " is " in label.memory  # the full expert keeps the fact and searches again
+    for task, (messages, action) in zip(world.train, steps[3::4], strict=False):
+        label = parse_action(action, fmt)
+        assert label.kind == "answer" and label.argument == task["answer"]  # every sub-question, in order
     recipes = offline_recipes(config, world)
     assert recipes["teacher"]["forgetful_states"] == 4 and recipes["teacher"]["forgetful_memory"] == "searches"
     assert "forgetful_states" not in recipes["student_init"]
