@@ -612,15 +612,10 @@ def until_first_divergence(
     if sequence_ids.numel() and bool((sequence_ids[1:] < sequence_ids[:-1]).any()):
         raise ValueError("until_first_divergence: `sequence_ids` must be non-decreasing (the canonical action order).")
     below = (teacher_logprobs.detach() < math.log(threshold)).long()
-    inclusive = below.cumsum(0)
-    starts = torch.ones_like(sequence_ids, dtype=torch.bool)
-    starts[1:] = sequence_ids[1:] != sequence_ids[:-1]
-    # divergent tokens before each token, within its own sequence
-    before = inclusive - below
-    offset = torch.zeros_like(inclusive)
-    offset[starts] = before[starts]
-    offset = torch.cummax(torch.where(starts, offset, torch.zeros_like(offset)), 0).values
-    return (before - offset) == 0
+    before = below.cumsum(0) - below  # unlikely tokens before each token, over the whole batch
+    _, lengths = torch.unique_consecutive(sequence_ids, return_counts=True)
+    starts = lengths.cumsum(0) - lengths  # each action's first token
+    return before == torch.repeat_interleave(before[starts], lengths)  # none before it within its own action
 
 
 def sampled_kl_advantages(teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:

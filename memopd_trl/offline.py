@@ -508,17 +508,13 @@ def train_tiny_agent(
     """
     common = dict(tokens_per_batch=config.imitation_tokens_per_batch, pad_token_id=tokenizer.pad_token_id, seed=seed)
     if base_model is not None:
-        model = copy.deepcopy(base_model)
-        losses = imitation_train(
-            model, invocations, epochs=epochs, learning_rate=learning_rate, context_weight=config.context_weight,
-            description=f"{role} imitation", **common,
+        model, copy_data, pretrain_data = copy.deepcopy(base_model), [], []
+    else:
+        model = build_tiny_model(
+            len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=2,
+            num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            attn_implementation=VARLEN_ATTENTION, seed=seed,
         )  # fmt: skip
-        return model, losses
-    model = build_tiny_model(
-        len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=2,
-        num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        attn_implementation=VARLEN_ATTENTION, seed=seed,
-    )  # fmt: skip
     if copy_data:
         imitation_train(
             model, copy_data, learning_rate=config.copy_learning_rate, description=f"{role} copy warm-up", **common
@@ -841,7 +837,7 @@ def _forgetful_state_steps(world, config) -> list[tuple[list[dict[str, str]], st
     env = world.env_factory()
     full = SyntheticExpert(env.action_format, memory="full")
     forgetful = SyntheticExpert(env.action_format, memory=config.student_expert_memory)
-    steps, recovering = [], False
+    steps = []
     for record in world.train[: config.teacher_forgetful_states]:
         messages, recovering = env.reset(record), False
         while not env.done:

@@ -13,8 +13,8 @@ sentences it has found, copied verbatim, and acts:
   above, keeping every fact found so far, then answer all of them at once, joined by `" ; "`.
 
 A *forgetful* expert (`memory="latest"`, `"none"` or `"searches"`) plays the same searches and answers in the same
-format, but its memory keeps only the latest fact found, nothing, or only a note of its searches: at the answer step it has forgotten the facts of earlier
-sub-questions and guesses those answers. It tells where it is in the task from its last query (which names the
+format, but its memory keeps only the latest fact found, nothing, or only a note of its searches: at the answer step
+it has forgotten the facts of earlier sub-questions and guesses those answers. It tells where it is in the task from its last query (which names the
 entity it searched), so it needs no memory to go on; a bridge entity is recognized by the fact that names it, in the
 memory or in the observation (which shows that passage too when `top_k >= 2`). When neither shows it, the forgetful
 expert has lost its place and answers what it has.
@@ -185,7 +185,7 @@ def _split_messages(messages: list[dict[str, str]]) -> tuple[str, str | None, st
 def _needed_entities(question: int, template: str, entities: tuple[str, ...], known: str) -> list[_Lookup]:
     """The facts sub-question `question` needs, in the order they are searched (a bridge entity once it is known)."""
     kind = QUESTION_ENTITY_KIND[template]
-    if template in LOOKUP_ANSWER_FIELD or len(entities) == 2:  # a lookup's one fact, or one per compared entity  # comparison: one fact per named entity
+    if template in LOOKUP_ANSWER_FIELD or len(entities) == 2:  # a lookup's one fact, or one per compared entity
         return [_Lookup(question, name, kind, find_fact(kind, name, known)) for name in entities]
     head = find_fact(kind, entities[0], known)
     needed = [_Lookup(question, entities[0], kind, head)]

@@ -367,8 +367,8 @@ def make_synthetic_world(
 
     Returns:
         `SyntheticWorld`: records in HotpotQA's layout and the corpus of all passages. A record's `supporting_facts`
-        are its gold passages' first sentences (two, or one for a lookup) (the first hop first for a bridge question); its `level` is
-        `"hard"` when the question has distractor passages and `"easy"` otherwise.
+        are its gold passages' first sentences (two, the first hop first for a bridge question; one for a lookup);
+        its `level` is `"hard"` when the question has distractor passages and `"easy"` otherwise.
     """
     if not isinstance(num_questions, int) or num_questions < 1:
         raise ValueError(f"`num_questions` must be a positive int, got {num_questions!r}.")
