@@ -123,6 +123,19 @@ class MemOPDConfig(_BaseConfig):
             `temperature`) is below this value, that token included (`memopd_trl.losses.until_first_divergence`):
             after a token the teacher would not have written, its distributions continue a prefix it never saw. The
             PPO term still covers every token. 0 distills every token; it needs `distill_coef > 0`.
+        distill_divergence_scope (`str`, *optional*, defaults to `"action"`):
+            Where `distill_until_divergence` stops distilling. `"action"`: each action up to its own first unlikely
+            token. `"episode"`: each episode up to its first unlikely token, every later action included: from there
+            on the student's memory holds what the teacher would not have written, and the teacher scores states it
+            never visited.
+        teacher_generations (`int`, *optional*, defaults to `0`):
+            Episodes per question the teacher plays (sampled at `temperature`, beside the student's
+            `num_generations`), on which the student is distilled as well, every action token in the exact state the
+            teacher played it in. There every prefix and every memory is one the teacher wrote itself, so its
+            distributions are its own policy's; on the student's episodes they hold only up to the first divergence
+            (see `distill_divergence_scope`). These episodes add to the distillation loss only, never to PPO. Like
+            sequence-level distillation on teacher outputs in TRL's `GKDTrainer` (`seq_kd`, `lmbda`). 0 = off; it
+            needs `distill_coef > 0`.
         kl_coef (`float`, *optional*, defaults to `0.0`):
             Weight of a KL penalty to the student's initial weights (a frozen reference copy); 0 disables it.
         epsilon (`float`, *optional*, defaults to `0.2`):
@@ -322,6 +335,21 @@ class MemOPDConfig(_BaseConfig):
             "saw. 0 = every token."
         },
     )
+    distill_divergence_scope: str = field(
+        default="action",
+        metadata={
+            "help": "Where `distill_until_divergence` stops: `action` (each action up to its own first unlikely token) "
+            "or `episode` (each episode up to its first unlikely token: later states are ones the teacher never saw).",
+            "choices": ["action", "episode"],
+        },
+    )
+    teacher_generations: int = field(
+        default=0,
+        metadata={
+            "help": "Episodes per question the teacher plays beside the student's, distilled on in the teacher's own "
+            "states (distillation only, no PPO); 0 = off. Needs `distill_coef` > 0."
+        },
+    )
     kl_coef: float = field(
         default=0.0, metadata={"help": "Weight of a KL penalty to a frozen copy of the initial student (0 = off)."}
     )
@@ -407,6 +435,15 @@ class MemOPDConfig(_BaseConfig):
             )
         if not 0.0 <= self.distill_until_divergence < 1.0:
             bad("distill_until_divergence", "in [0, 1) (a probability; 0 turns it off)")
+        if self.teacher_generations < 0:
+            bad("teacher_generations", ">= 0")
+        if self.teacher_generations > 0 and self.distill_coef == 0:
+            raise ValueError(
+                f"`teacher_generations` ({self.teacher_generations}) adds episodes to the distillation loss, but "
+                "`distill_coef` is 0: set `distill_coef` > 0, or `teacher_generations=0`."
+            )
+        if self.distill_divergence_scope not in ("action", "episode"):
+            bad("distill_divergence_scope", '"action" or "episode"')
         if self.distill_until_divergence > 0 and self.distill_coef == 0:
             raise ValueError(
                 f"`distill_until_divergence` ({self.distill_until_divergence}) selects the tokens of the distillation "

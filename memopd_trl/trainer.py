@@ -318,6 +318,18 @@ class MemOPDTrainer(_BaseTrainer):
             backend="vllm" if args.use_vllm else "hf",
             vllm_llm=self.vllm_generation.llm if args.use_vllm else None,
         )
+        self.teacher_engine = None  # plays `teacher_generations` episodes per question (always the HF backend)
+        if args.teacher_generations > 0:
+            self.teacher_engine = RolloutEngine(
+                model=self.accelerator.unwrap_model(self.teacher_model),
+                tokenizer=processing_class,
+                env_factory=env_factory,
+                max_new_tokens=args.max_new_tokens,
+                max_prompt_length=args.max_prompt_length,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+            )
 
     # ------------------------------------------------------------------------------------------------------------
     # Set-up helpers
@@ -368,6 +380,8 @@ class MemOPDTrainer(_BaseTrainer):
         if first_update_of_round or slot not in self._buffers:
             rollout = self._rollout(records)  # 1. play episodes
             self._buffers[slot] = self._score(rollout)  # 2-4. pack, advantages, teacher and reference scoring
+            if self.teacher_engine is not None and "skip_reason" not in self._buffers[slot]:
+                self._buffers[slot]["teacher_play"] = self._teacher_play(records)
             self._log_rollout(rollout, self._buffers[slot])
         self._micro_step += 1
         return self._buffers[slot]
@@ -421,8 +435,11 @@ class MemOPDTrainer(_BaseTrainer):
                     # The teacher's log-prob of each sampled token at the sampling temperature, as `old_logprobs`.
                     teacher_logprobs = self._sampled_token_logprobs(teacher, batch["teacher_hidden"], student_batch)
                 if args.distill_until_divergence > 0:
+                    segments = batch["sequence_ids"]  # each action on its own
+                    if args.distill_divergence_scope == "episode":
+                        segments = broadcast_to_tokens(torch.arange(len(rollout.episodes)), tokens_per_episode)
                     batch["distill_mask"] = until_first_divergence(
-                        teacher_logprobs, batch["sequence_ids"], args.distill_until_divergence
+                        teacher_logprobs, segments.to(device), args.distill_until_divergence
                     )  # (N,)
                     self._metrics["train"]["distill/kept_tokens"].append(batch["distill_mask"].float().mean().item())
                 if args.sampled_kl_coef > 0:
@@ -441,6 +458,31 @@ class MemOPDTrainer(_BaseTrainer):
                 batch["ref_logprobs"] = self._sampled_token_logprobs(reference, ref_hidden, student_batch)  # (N,)
             rollout.seconds["reference"] = time.perf_counter() - start
         return batch
+
+    def _teacher_play(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """
+        The teacher plays `teacher_generations` sampled episodes per record; returns their packed invocations and
+        the teacher's hidden states at every action position (scored as `teacher_scoring` says, as the student's
+        actions are), or `None` when no episode reached a model call. Collective.
+        """
+        args, device = self.args, self.accelerator.device
+        start = time.perf_counter()
+        episodes, _ = self.teacher_engine.rollout(records, num_generations=args.teacher_generations, greedy=False)
+        invocations = [inv for ep in episodes for inv in ep.invocations]
+        metrics = self._metrics["train"]
+        f1 = torch.tensor([sum(ep.f1 for ep in episodes) / max(len(episodes), 1)], device=device)
+        metrics["teacher_play/f1"].append(self.accelerator.gather(f1).mean().item())
+        play = None
+        if invocations:
+            student_batch = send_to_device(self.collator(invocations), device)
+            teacher_batch = student_batch
+            if args.teacher_scoring == "persistent":
+                teacher_batch = send_to_device(self.teacher_collator(invocations), device)
+            with torch.no_grad():
+                teacher_hidden = action_hidden_states(self.accelerator.unwrap_model(self.teacher_model), teacher_batch)
+            play = {"invocations": invocations, "student_batch": student_batch, "teacher_hidden": teacher_hidden}
+        metrics["time/teacher_play"].append(time.perf_counter() - start)
+        return play
 
     def _sampled_token_logprobs(self, model: nn.Module, hidden: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         """`(N,)`: the log-prob under `model`'s LM head on `hidden` of each sampled token, at the sampling temperature."""
@@ -674,6 +716,21 @@ class MemOPDTrainer(_BaseTrainer):
                         )  # (N,)
                         if "distill_mask" in inputs:  # the tokens up to each action's first divergence
                             divergence = divergence[inputs["distill_mask"]]
+                        if inputs.get("teacher_play") is not None:  # the teacher's own episodes, every token
+                            play = inputs["teacher_play"]
+                            play_divergence = chunked_generalized_jsd(
+                                action_hidden_states(model, play["student_batch"]),
+                                weight,
+                                play["teacher_hidden"],
+                                teacher_weight,
+                                beta=args.beta,
+                                temperature=args.distill_temperature,
+                                student_bias=bias,
+                                teacher_bias=teacher_bias,
+                                chunk_size=args.logit_chunk_size,
+                            )  # (N_play,)
+                            metrics["loss/distill_teacher_play"].append(play_divergence.mean().item())
+                            divergence = torch.cat([divergence, play_divergence])
                         distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
                         loss = loss + args.distill_coef * distill
                         metrics["loss/distill"].append(distill.item())

@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import math
 import os
 import sys
 import types
@@ -868,3 +869,83 @@ def test_distill_until_divergence_distills_each_action_only_up_to_its_first_unli
         make_config(tmp_path, distill_coef=0.0, distill_until_divergence=0.1)
     with pytest.raises(ValueError, match="`distill_until_divergence` must be in"):
         make_config(tmp_path, distill_until_divergence=1.0)
+
+
+def test_distill_divergence_scope_episode_stops_distilling_the_rest_of_the_episode(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    from memopd_trl.scoring import full_logits_action_logprobs
+
+    student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1, hidden_size=48)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight.mul_(3.0)
+    config = make_config(
+        tmp_path, distill_until_divergence=0.2, distill_divergence_scope="episode", num_generations=4, max_turns=2
+    )
+    trainer = MemOPDTrainer(
+        model=student, teacher_model=teacher, args=config, train_dataset=world.records,
+        env_factory=env_factory, processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    rollout = trainer._rollout(world.records[:2])
+    batch = trainer._score(rollout)
+    with torch.no_grad():
+        teacher_logprobs = full_logits_action_logprobs(teacher, rollout.invocations, temperature=1.0).tolist()
+    expected, action_scope, i = [], [], 0
+    for episode in rollout.episodes:  # token by token: keep until the episode's first unlikely token, that one included
+        diverged = False
+        for invocation in episode.invocations:
+            action_diverged = False
+            for _ in invocation.output_ids:
+                expected.append(not diverged)
+                action_scope.append(not action_diverged)
+                diverged |= teacher_logprobs[i] < math.log(0.2)
+                action_diverged |= teacher_logprobs[i] < math.log(0.2)
+                i += 1
+    assert batch["distill_mask"].tolist() == expected
+    assert sum(expected) < sum(action_scope), "the check needs a later action the episode scope drops"
+    with pytest.raises(ValueError, match="`distill_divergence_scope` must be"):
+        make_config(tmp_path, distill_until_divergence=0.1, distill_divergence_scope="turn")
+
+
+def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    from memopd_trl.losses import generalized_jsd_loss
+    from memopd_trl.scoring import full_logits_action_logprobs
+
+    student = make_tiny_model(seed=0)
+    teacher = near_copy(student, seed=1, scale=0.5)
+    config = make_config(tmp_path, num_generations=2, teacher_generations=2, beta=0.5, temperature=1.3, audit_steps=0)
+    trainer = MemOPDTrainer(
+        model=student, teacher_model=teacher, args=config, train_dataset=world.records, env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    rollouts = []
+    rollout = trainer._rollout
+    trainer._rollout = lambda records: rollouts.append(rollout(records)) or rollouts[-1]
+    batch = trainer._prepare_inputs(world.records[:2])
+    own = rollouts[0].invocations
+    played = batch["teacher_play"]["invocations"]
+    assert len({(inv.group_id, inv.episode_id) for inv in played}) == 4 and len(played) > 4, "2 x 2 multi-turn episodes"
+    with torch.no_grad():  # the teacher sampled them: its own log-probs at the sampling temperature are the recorded ones
+        recorded = torch.tensor([lp for inv in played for lp in inv.logprobs])
+        torch.testing.assert_close(full_logits_action_logprobs(teacher, played, temperature=1.3), recorded, atol=1e-4, rtol=0)
+        _, student_logits = full_logits_action_logprobs(student, own + played, return_distributions=True)
+        _, teacher_logits = full_logits_action_logprobs(teacher, own + played, return_distributions=True)
+    per_token = generalized_jsd_loss(student_logits[None], teacher_logits[None], beta=0.5, reduction="none").sum(-1)[0]
+
+    trainer._metrics["train"].clear()
+    trainer._student_loss(student, batch)
+    metrics = trainer._metrics["train"]
+    # one token mean over the student's actions and the teacher's, each in its own exact state
+    assert metrics["loss/distill"][0] == pytest.approx(per_token.mean().item(), rel=1e-4)
+    num_own = sum(len(inv.output_ids) for inv in own)
+    assert metrics["loss/distill_teacher_play"][0] == pytest.approx(per_token[num_own:].mean().item(), rel=1e-4)
+    del batch["teacher_play"]
+    trainer._student_loss(student, batch)
+    assert metrics["loss/ppo"][1] == metrics["loss/ppo"][0], "the teacher's episodes never enter PPO"
+    assert metrics["loss/distill"][1] != pytest.approx(metrics["loss/distill"][0])
+    with pytest.raises(ValueError, match="`teacher_generations` .* but `distill_coef` is 0"):
+        make_config(tmp_path, distill_coef=0.0, teacher_generations=1)
+    with pytest.raises(ValueError, match="`teacher_generations` must be >= 0"):
+        make_config(tmp_path, teacher_generations=-1)
