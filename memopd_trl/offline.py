@@ -54,6 +54,7 @@ from .tokenizer import build_tokenizer
 VARLEN_ATTENTION = "memopd_sdpa_varlen"
 SETUP_FILE = "memopd_setup.json"
 ROLES = ("teacher", "student_init")
+SHARED_PRETRAINING_DIR = "shared_pretraining"  # the base both models fork from, with `share_pretraining`
 
 
 @dataclass
@@ -762,13 +763,22 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         replay_steps = [step for trajectory in pretrain[: config.replay_questions] for step in trajectory.steps]
     base_model = None
     if config.share_pretraining:
-        start = time.perf_counter()
-        recipe = recipes["teacher"]
-        base_model, _ = train_tiny_agent(
-            "shared", recipe["hidden_size"], recipe["layers"], [], copy_data, recipe["epochs"],
-            recipe["learning_rate"], tokenizer, config, seed=1, pretrain_data=pretrain_data,
-        )  # fmt: skip
-        _log(f"[setup] shared copy warm-up and pretraining ({time.perf_counter() - start:.0f} s)")
+        # Cached beside the two models: rebuilding only the student start (a changed student recipe) reuses it.
+        shared_path = paths["teacher"].parent / SHARED_PRETRAINING_DIR
+        recipe = _shared_pretraining_recipe(recipes)
+        if "teacher" not in roles and _cached_recipe(shared_path) == recipe:  # same tokenizer, same data
+            base_model = load_offline_model(shared_path)
+            _log(f"[setup] reusing the cached shared copy warm-up and pretraining in {shared_path}")
+        else:
+            start = time.perf_counter()
+            base_model, _ = train_tiny_agent(
+                "shared", recipe["hidden_size"], recipe["layers"], [], copy_data, recipe["epochs"],
+                recipe["learning_rate"], tokenizer, config, seed=1, pretrain_data=pretrain_data,
+            )  # fmt: skip
+            seconds = time.perf_counter() - start
+            base_model.save_pretrained(shared_path)
+            (shared_path / SETUP_FILE).write_text(json.dumps({"recipe": recipe, "train_seconds": round(seconds, 1)}))
+            _log(f"[setup] shared copy warm-up and pretraining ({seconds:.0f} s)")
     models = {}
     for role in order:
         if role not in roles:
@@ -826,6 +836,12 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             f"{info['final_action_nll']:.3f}, held-out F1 {scores['f1']:.3f} EM {scores['em']:.3f}{single} "
             f"({seconds:.0f} s)"
         )
+
+
+def _shared_pretraining_recipe(recipes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the shared copy warm-up and pretraining depend on: the teacher's recipe without its own imitation data."""
+    own_data = ("forgetful_states", "forgetful_memory", "dagger_student")
+    return {key: value for key, value in recipes["teacher"].items() if key not in own_data}
 
 
 def _forgetful_state_steps(world, config) -> list[tuple[list[dict[str, str]], str]]:

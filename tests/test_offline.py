@@ -275,6 +275,20 @@ def test_shared_pretraining_and_replay_are_in_the_recipe_and_the_setup(tmp_path,
         OfflineConfig(**{**SHARED, "replay_questions": 13})
 
 
+def test_a_changed_student_recipe_reuses_the_cached_shared_pretraining_and_trains_the_same_start(tmp_path, capsys):
+    world = make_offline_world(OfflineConfig(**SHARED), max_turns=multi_objective_max_turns(2, searches_per_question=1))
+    prepare_offline_models(OfflineConfig(**SHARED), world, tmp_path / "cached", **GENERATION)
+    changed = OfflineConfig(**{**SHARED, "student_full_memory_fraction": 0.5})
+    capsys.readouterr()
+    prepare_offline_models(changed, world, tmp_path / "cached", **GENERATION)
+    log = capsys.readouterr().out
+    assert "reusing the cached teacher" in log and "reusing the cached shared copy warm-up and pretraining" in log
+    prepare_offline_models(changed, world, tmp_path / "fresh", **GENERATION)
+    assert "reusing" not in capsys.readouterr().out
+    cached, fresh = (load_offline_model(tmp_path / d / "student_init").state_dict() for d in ("cached", "fresh"))
+    assert cached.keys() == fresh.keys() and all(torch.equal(cached[k], fresh[k]) for k in cached)
+
+
 def test_a_student_start_that_has_seen_the_memory_policy_has_it_in_its_recipe():
     config = OfflineConfig(**{**SHARED, "student_full_memory_fraction": 0.25})
     world = make_offline_world(config, max_turns=multi_objective_max_turns(2, searches_per_question=1))
