@@ -179,6 +179,13 @@ class MemOPDTrainer(_BaseTrainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
         if processing_class.pad_token is None:
+            if processing_class.eos_token is None:
+                raise ValueError(
+                    f"The tokenizer ({type(processing_class).__name__}) has neither a pad token nor an EOS token: the "
+                    "packed rows need a pad token and generation needs an EOS token to stop. Set "
+                    "`tokenizer.eos_token` (e.g. the chat template's end-of-turn token, such as '<|im_end|>'), and "
+                    "`tokenizer.pad_token` if it should differ from it."
+                )
             processing_class.pad_token = processing_class.eos_token
         if not getattr(processing_class, "chat_template", None):
             raise ValueError(
@@ -223,7 +230,12 @@ class MemOPDTrainer(_BaseTrainer):
                 disable_dropout_in_model(teacher_model)
 
         env_factory = _apply_env_overrides(env_factory, args)
+        _check_one_batch_fits(train_dataset, args)
+        _validate_records(env_factory, train_dataset, "train_dataset")
+        if eval_dataset is not None:
+            _validate_records(env_factory, eval_dataset, "eval_dataset")
         _check_logit_transforms(model, teacher_model)
+        _warn_low_precision_weights(model, args)
         self.env_factory = env_factory
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._buffers: dict[int, dict[str, Any]] = {}  # rollout batch of each gradient-accumulation slot
@@ -334,6 +346,25 @@ class MemOPDTrainer(_BaseTrainer):
     def num_skipped_updates(self) -> int:
         """Optimizer updates skipped so far (see `_UpdateSkipper`)."""
         return self._update_skipper.num_skipped
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """
+        `transformers.Trainer.train`, which raises a `RuntimeError` when every optimizer update of the run was
+        skipped (every batch had nothing to learn from, or a non-finite loss): such a run changed nothing and must
+        not look like a success. The checkpoints and logs it wrote stay.
+        """
+        skipper = self._update_skipper
+        votes, skipped = skipper.num_votes, skipper.num_skipped
+        output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        votes, skipped = skipper.num_votes - votes, skipper.num_skipped - skipped
+        if votes > 0 and skipped == votes:
+            raise RuntimeError(
+                f"Every optimizer update of this run was skipped ({skipped} of {votes}): the weights did not change. "
+                f"The last reason: {skipper.last_reason}. Look for failed episodes (`failed_episodes`, "
+                "`rollout/failed_episodes` in the logs, warnings of the `memopd_trl.rollout` logger) or non-finite "
+                "scores."
+            )
+        return output
 
     def _get_train_sampler(self, train_dataset=None) -> torch.utils.data.Sampler:
         # The questions of one optimizer step (all processes, all gradient-accumulation micro-batches) are yielded
@@ -772,26 +803,44 @@ class MemOPDTrainer(_BaseTrainer):
         Play one greedy episode per record of `eval_dataset` (or the trainer's) and report the means of the
         environment's metrics (for `HotpotQAEnv`: answer F1 and EM) and of the episodes' statistics.
 
+        A failed episode (an environment error, a prompt too long for `max_prompt_length`) counts with reward and
+        scores 0; `{prefix}_num_failed_episodes` says how many there were. When every episode failed nothing was
+        scored, and `evaluate()` raises a `RuntimeError` naming the first error instead of reporting scores of 0.
+
         Returns:
             `dict[str, float]`: `{prefix}_{name}` for each name of `Episode.metrics` (`{prefix}_f1`, `{prefix}_em`
             for `HotpotQAEnv`), and `{prefix}_reward`, `{prefix}_turns`, `{prefix}_malformed_actions`,
-            `{prefix}_num_episodes`.
+            `{prefix}_num_episodes`, `{prefix}_num_failed_episodes`.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("`evaluate()` needs an `eval_dataset` (given here or to the trainer).")
         dataset = _as_dataset(dataset, "eval_dataset")
+        if eval_dataset is not None:  # the trainer's own was checked at construction
+            _validate_records(self.env_factory, dataset, "eval_dataset")
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         records = [dataset[i] for i in range(rank, len(dataset), world)]
         self.model.eval()
         episodes, _ = self._play(records, greedy=True)  # on every process, even without records (collectives)
         names, table = self._episode_table(episodes)
-        # Sums and counts (same shape on every process, whatever the number of records each one played).
-        local = torch.cat([table[:, :-1], torch.ones_like(table[:, :1])], dim=1).sum(0)  # without `failed_episodes`
+        # Sums and counts (same shape on every process, whatever the number of records each one played): the
+        # statistics without `failed_episodes`, then the number of episodes, then the number of failed ones.
+        local = torch.cat([table[:, :-1], torch.ones_like(table[:, :1]), table[:, -1:]], dim=1).sum(0)
         totals = self.accelerator.reduce(local, reduction="sum")
-        count = max(1.0, totals[-1].item())
+        count, failed = totals[-2].item(), totals[-1].item()
+        if count > 0 and failed == count:  # on every process alike: the totals are reduced
+            self.model.train()
+            errors = [ep.info.get("error") or ep.info.get("end_reason") for ep in episodes if ep.failed]
+            raise RuntimeError(
+                f"`evaluate()` scored no episode: all {int(count)} episodes failed, so there is no "
+                f"{metric_key_prefix} score to report."
+                + (f" The first error on this process: {errors[0]}." if errors else "")
+                + " See the warnings of the `memopd_trl.rollout` logger for each one."
+            )
+        count = max(1.0, count)
         metrics = {f"{metric_key_prefix}_{name}": totals[i].item() / count for i, name in enumerate(names[:-1])}
-        metrics[f"{metric_key_prefix}_num_episodes"] = totals[-1].item()
+        metrics[f"{metric_key_prefix}_num_episodes"] = totals[-2].item()
+        metrics[f"{metric_key_prefix}_num_failed_episodes"] = failed
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         self.model.train()
@@ -866,11 +915,14 @@ class _UpdateSkipper(TrainerCallback):
     def __init__(self, trainer: "MemOPDTrainer"):
         self.trainer = trainer
         self.num_skipped = 0
+        self.num_votes = 0  # optimizer steps voted on (taken or skipped)
+        self.last_reason: str | None = None  # of this process's last request
         self._requested = False  # by this process, since the last optimizer step
 
     def request(self, reason: str) -> None:
         """Ask for the current update to be skipped (on this process; the vote makes it collective)."""
         self._requested = True
+        self.last_reason = reason
         warnings.warn(
             f"{reason}: this update is skipped ({self.num_skipped + 1} skipped so far, counting this one).",
             stacklevel=3,
@@ -880,6 +932,7 @@ class _UpdateSkipper(TrainerCallback):
         trainer = self.trainer
         requested = torch.tensor(float(self._requested), device=trainer.accelerator.device)
         self._requested = False
+        self.num_votes += 1
         if trainer.accelerator.reduce(requested, reduction="sum").item() > 0:
             # torch optimizers step only parameters that have a gradient: with none, nothing moves, not even the
             # Adam moments (the value head is in the optimizer, so this covers it too).
@@ -930,6 +983,66 @@ def _as_dataset(data, name: str) -> "Dataset | RecordDataset":
             raise TypeError(f"`{name}`[{bad}] is a {type(data[bad]).__name__}; every record must be a dict.")
         return RecordDataset(list(data))
     raise TypeError(f"`{name}` must be a `datasets.Dataset` or a list of dict records, got {type(data).__name__}.")
+
+
+def _check_one_batch_fits(train_dataset, args: MemOPDConfig) -> None:
+    """An optimizer step takes `per_device_train_batch_size * world_size * gradient_accumulation_steps` whole
+    records (the sampler drops a partial batch): with fewer records, `train()` would run zero steps."""
+    batch = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+    if len(train_dataset) < batch:
+        raise ValueError(
+            f"`train_dataset` has {len(train_dataset)} records, fewer than one optimizer step takes: "
+            f"{batch} = per_device_train_batch_size ({args.per_device_train_batch_size}) x processes "
+            f"({args.world_size}) x gradient_accumulation_steps ({args.gradient_accumulation_steps}), so no step "
+            "would run. Add records or lower `per_device_train_batch_size` / `gradient_accumulation_steps`."
+        )
+
+
+def _validate_records(env_factory: Callable[[], Any], dataset, name: str) -> None:
+    """
+    Check every record of `dataset` with the environment's own schema (`MemoryAgentEnv.validate_record`, run on one
+    environment from `env_factory`) before any model call, so that a dataset of bad records fails here, naming the
+    record and the field, instead of failing every episode in silence.
+    """
+    env = env_factory()
+    validate = getattr(env, "validate_record", None)
+    if not callable(validate):  # an environment that is not a `MemoryAgentEnv`: nothing to check with
+        return
+    problems = []
+    for index in range(len(dataset)):
+        try:
+            validate(dataset[index])
+        except (ValueError, TypeError, KeyError) as err:
+            problems.append((index, err))
+    if problems:
+        index, err = problems[0]
+        raise ValueError(
+            f"{len(problems)} of the {len(dataset)} records of `{name}` do not fit {type(env).__name__} (checked with "
+            f"its `validate_record`); the first, `{name}`[{index}]: {err}"
+        )
+
+
+def _warn_low_precision_weights(model: nn.Module, args: MemOPDConfig) -> None:
+    """
+    The optimizer updates the trainable weights in their own dtype. In bf16 (8 bits of mantissa) an update smaller
+    than about 1/256 of a weight rounds away: at a learning rate of 1e-6 nearly every update is lost. (DeepSpeed
+    keeps float32 master weights of its own, so it is not warned about.)
+    """
+    if args.deepspeed:
+        return
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    low = [p for p in trainable if p.dtype in (torch.bfloat16, torch.float16)]
+    if low:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in low})
+        warnings.warn(
+            f"{sum(p.numel() for p in low):,} of the {sum(p.numel() for p in trainable):,} trainable weights are "
+            f"stored in {' and '.join(dtypes)}: the optimizer updates them in that precision, where an update below "
+            "about 1/256 of a weight rounds to nothing (at a learning rate of 1e-6 most updates are lost). Load the "
+            "student in float32 (the default for a model given by name; `model.float()` for a loaded one) and set "
+            "`bf16=True` for mixed precision, or train LoRA adapters (`peft_config`), which peft keeps in float32.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_vllm_support(args: MemOPDConfig) -> None:
