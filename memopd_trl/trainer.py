@@ -23,6 +23,7 @@ The trainer orchestrates; the maths lives in `losses.py`, the packing in `packin
 """
 
 import functools
+import importlib
 import itertools
 import os
 import time
@@ -66,6 +67,7 @@ from .losses import (
     until_first_divergence,
     value_loss,
 )
+from .model_card import build_model_card
 from .packing import PackedInvocationCollator
 from .records import Episode, Invocation
 from .rollout import RolloutEngine
@@ -210,6 +212,11 @@ class MemOPDTrainer(_BaseTrainer):
                 "`sampled_kl_coef` > 0 needs a teacher, whose log-probs of the sampled tokens it adds to the advantages: "
                 "pass `teacher_model` or set `teacher_model_name_or_path`, or set `sampled_kl_coef=0`."
             )
+        # For the model card: what the student and the teacher were loaded from ("" for a model built from a config).
+        self._student_name = model_id
+        self._teacher_name = teacher_model if isinstance(teacher_model, str) else None
+        if teacher_model is not None and not isinstance(teacher_model, str):
+            self._teacher_name = getattr(teacher_model.config, "_name_or_path", "")
         if isinstance(teacher_model, str):
             if teacher_processing_class is None:
                 teacher_processing_class = AutoTokenizer.from_pretrained(
@@ -847,9 +854,62 @@ class MemOPDTrainer(_BaseTrainer):
         return metrics
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """`transformers.Trainer.save_model`, and the model card (`README.md`) beside the weights."""
         super().save_model(output_dir, _internal_call)
         if not _internal_call and self.is_world_process_zero():
-            self.create_model_card(model_name=Path(output_dir or self.args.output_dir).name)
+            target = output_dir or self.args.output_dir
+            self.create_model_card(model_name=Path(target).name, output_dir=target)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        output_dir: str | None = None,
+    ):
+        """
+        Write the model card (`README.md`) into `output_dir` (defaults to `args.output_dir`): the student's base
+        model, the teacher, the distillation and PPO settings, the action format and memory policy, and a snippet
+        that plays one `HotpotQAEnv` episode with the saved agent. See `memopd_trl.model_card`.
+        """
+        if not self.is_world_process_zero():
+            return
+        target = output_dir or self.args.output_dir
+        tags = {tags} if isinstance(tags, str) else set(tags or ())
+        tags.update(self._tag_names)
+        card = build_model_card(
+            model_name=model_name or Path(target).name,
+            model_path=self.hub_model_id or str(target),
+            student_name=self._student_name,
+            teacher_name=self._teacher_name,
+            args=self.args,
+            env=self.env_factory(),
+            trainer_name=self._name,
+            paper=self._paper,
+            tags=sorted(tags),
+            dataset_name=dataset_name,
+            global_step=self.state.global_step,
+        )
+        os.makedirs(target, exist_ok=True)
+        card.save(os.path.join(target, "README.md"))
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
+        """
+        `transformers.Trainer.push_to_hub`. When the Hub cannot be reached (no network, `HF_HUB_OFFLINE=1`), the
+        model and its card are saved in `args.output_dir` and a `ConnectionError` says what failed and how to push
+        them later.
+        """
+        try:
+            return super().push_to_hub(commit_message=commit_message, blocking=blocking, **kwargs)
+        except _network_errors() as err:
+            self.save_model()  # the Hub is reached before anything is saved: keep the work
+            repo = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+            raise ConnectionError(
+                f"push_to_hub could not reach the Hugging Face Hub ({type(err).__name__}: {err}). Nothing was "
+                f"uploaded; the model and its card are saved in {self.args.output_dir!r}. Push them later, once "
+                f"online (and without HF_HUB_OFFLINE=1), with `trainer.push_to_hub()`, or from a shell: "
+                f"`hf upload {repo} {self.args.output_dir}`."
+            ) from err
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         super()._save(output_dir, state_dict)
@@ -870,6 +930,21 @@ class MemOPDTrainer(_BaseTrainer):
             model_name = self.args.hub_model_id.split("/")[-1]
         self.create_model_card(model_name=model_name)
         super()._save_checkpoint(model, trial)
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub client raises when the Hub cannot be reached: `OfflineModeIsEnabled` and socket errors are
+    `ConnectionError`s; the HTTP client's transport errors (connection, timeout, proxy) are its own."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module in ("httpx2", "httpx", "requests"):
+        try:
+            library = importlib.import_module(module)
+        except ImportError:
+            continue
+        error = getattr(library, "TransportError", None) or getattr(library, "ConnectionError", None)
+        if isinstance(error, type) and issubclass(error, BaseException):
+            errors.append(error)
+    return tuple(errors)
 
 
 def _is_peft(model) -> bool:
