@@ -25,7 +25,10 @@ The trainer orchestrates; the maths lives in `losses.py`, the packing in `packin
 import functools
 import importlib
 import itertools
+import json
 import os
+import signal
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -41,8 +44,10 @@ from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import TrainerCallback
-from transformers.utils import is_peft_available
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import is_peft_available, logging
 from trl.import_utils import is_vllm_available
 from trl.models.utils import _ForwardRedirection, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
@@ -76,6 +81,9 @@ from .scoring import action_hidden_states, action_logprobs_from_hidden, action_t
 
 if is_peft_available():
     from peft import PeftConfig, PeftModel, get_peft_model
+
+
+logger = logging.get_logger(__name__)
 
 
 _PAPER = {
@@ -262,6 +270,8 @@ class MemOPDTrainer(_BaseTrainer):
         self._update_skipper = _UpdateSkipper(self)
         self.add_callback(self._update_skipper)
         self.add_callback(_ClearValueHeadGradients(self))
+        self._preemption = _SaveOnSigterm(self)
+        self.add_callback(self._preemption)
 
         self.teacher_model = None
         if teacher_model is not None:
@@ -356,13 +366,31 @@ class MemOPDTrainer(_BaseTrainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """
-        `transformers.Trainer.train`, which raises a `RuntimeError` when every optimizer update of the run was
-        skipped (every batch had nothing to learn from, or a non-finite loss): such a run changed nothing and must
-        not look like a success. The checkpoints and logs it wrote stay.
+        `transformers.Trainer.train`, with three differences:
+
+        - `resume_from_checkpoint=True` resumes from the last *complete* checkpoint of `args.output_dir` (one whose
+          `trainer_state.json`, written last, is there and readable); a newer checkpoint cut short by a kill is
+          skipped with a warning, and with only such checkpoints training starts from the beginning.
+        - SIGTERM (a cluster's preemption) during training finishes the current optimizer step, saves a checkpoint
+          and exits with status 0 (`SystemExit(0)`); `resume_from_checkpoint=True` then continues exactly.
+        - A run whose every optimizer update was skipped (every batch had nothing to learn from, or a non-finite
+          loss) raises a `RuntimeError`: it changed nothing and must not look like a success. The checkpoints and
+          logs it wrote stay.
         """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = _last_complete_checkpoint(self.args.output_dir)
         skipper = self._update_skipper
         votes, skipped = skipper.num_votes, skipper.num_skipped
-        output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        self._preemption.reset()
+        with _sigterm_requests(self._preemption):
+            output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        if self._preemption.saved_step is not None:
+            logger.warning(
+                f"SIGTERM: stopped after step {self._preemption.saved_step} and saved checkpoint-"
+                f"{self._preemption.saved_step} in {self.args.output_dir}; exiting with status 0. Resume with "
+                "`trainer.train(resume_from_checkpoint=True)`."
+            )
+            raise SystemExit(0)
         votes, skipped = skipper.num_votes - votes, skipper.num_skipped - skipped
         if votes > 0 and skipped == votes:
             raise RuntimeError(
@@ -1014,6 +1042,89 @@ class _UpdateSkipper(TrainerCallback):
             trainer.optimizer.zero_grad(set_to_none=True)
             self.num_skipped += 1
         trainer._metrics["train"]["skipped_updates"].append(float(self.num_skipped))
+
+
+class _SaveOnSigterm(TrainerCallback):
+    """
+    After a SIGTERM (`requested`, set by the signal handler of `_sigterm_requests`), the next step end saves a
+    checkpoint and stops training; `MemOPDTrainer.train` then exits with status 0. With several processes they vote
+    at every step end (any one signalled stops them all at the same step), since saving is collective.
+    """
+
+    def __init__(self, trainer: "MemOPDTrainer"):
+        self.trainer = trainer
+        self.reset()
+
+    def reset(self) -> None:
+        self.requested = False
+        self.saved_step: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = self.requested
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:
+            vote = torch.tensor(float(requested), device=accelerator.device)
+            requested = accelerator.reduce(vote, reduction="sum").item() > 0
+        if requested:
+            control.should_save = True
+            control.should_training_stop = True
+            self.saved_step = state.global_step
+
+
+@contextmanager
+def _sigterm_requests(callback: _SaveOnSigterm) -> Iterator[None]:
+    """While training, SIGTERM asks `callback` for a checkpoint and a stop instead of killing the process."""
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set from the main thread
+        yield
+        return
+
+    def request(signum, frame):
+        callback.requested = True
+        logger.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting.")
+
+    previous = signal.signal(signal.SIGTERM, request)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _last_complete_checkpoint(output_dir: str) -> str | bool | None:
+    """
+    The newest `checkpoint-N` of `output_dir` whose `trainer_state.json` (the last file transformers writes into a
+    checkpoint) is there and parses; newer incomplete ones are warned about. Returns `True` when there is no
+    checkpoint at all (transformers then raises its own error), `None` when all are incomplete (start afresh).
+    """
+    folders = [path for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if path.is_dir()]
+    folders = sorted(
+        (path for path in folders if path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-").isdigit()),
+        key=lambda path: int(path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")),
+        reverse=True,
+    )
+    if not folders:
+        return True
+    skipped = []
+    for folder in folders:
+        try:
+            json.loads((folder / TRAINER_STATE_NAME).read_text())
+        except (OSError, ValueError):
+            skipped.append(folder.name)
+            continue
+        if skipped:
+            warnings.warn(
+                f"Skipping incomplete checkpoint(s) {skipped} in {output_dir} (no readable {TRAINER_STATE_NAME}: the "
+                f"run was killed while writing them); resuming from {folder.name}.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return str(folder)
+    warnings.warn(
+        f"Every checkpoint in {output_dir} ({skipped}) is incomplete (no readable {TRAINER_STATE_NAME}: the run was "
+        "killed while writing it); training starts from the beginning.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return None
 
 
 class _ClearValueHeadGradients(TrainerCallback):
