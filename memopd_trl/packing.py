@@ -232,8 +232,13 @@ class _InvocationCollator:
             raise ValueError(f"`max_model_length` must be a positive integer or None, got {max_model_length}.")
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"`pad_to_multiple_of` must be a positive integer or None, got {pad_to_multiple_of}.")
-        if pad_token_id < 0:
-            raise ValueError(f"`pad_token_id` must be a valid (non-negative) token id, got {pad_token_id}.")
+        if pad_token_id is None:
+            raise ValueError(
+                "`pad_token_id` is None: the tokenizer has no pad token. Set `tokenizer.pad_token` (the EOS token "
+                "will do) and pass `pad_token_id=tokenizer.pad_token_id`."
+            )
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+            raise ValueError(f"`pad_token_id` must be a valid (non-negative) token id, got {pad_token_id!r}.")
         self.pad_token_id = pad_token_id
         self.max_model_length = max_model_length
         self.history = history

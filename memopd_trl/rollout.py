@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from .envs.base import EnvContractError
 from .records import Episode, Invocation
 
 
@@ -198,7 +199,9 @@ class RolloutEngine:
     (`env.messages(char_budget=...)`, the budget shrinking geometrically); the sampled actions are never cut. If no
     budget fits, the episode ends as failed (`info["end_reason"] = "prompt_too_long"`). An environment that raises, or
     whose observation the tokenizer cannot encode, fails its episode (`info["end_reason"] = "env_error"`) and the
-    rollout goes on. Failed episodes have reward 0.
+    rollout goes on. Failed episodes have reward 0. An environment that breaks the `MemoryAgentEnv` contract
+    (`EnvContractError`, e.g. a `score()` that returns no dict) is a bug in its code, not in one episode: the error
+    stops the rollout.
 
     Args:
         model (`PreTrainedModel` or `None`):
@@ -566,6 +569,8 @@ class RolloutEngine:
         stats["num_truncated_outputs"] += int(action.truncated)
         try:
             result = state.env.step(self._action_text(action.output_ids, state.env.stop_strings))
+        except EnvContractError:  # a bug in the environment's code, the same for every episode: stop with it
+            raise
         except Exception as err:  # a failing environment must not stop the other episodes
             self._fail(state, "env_error", stats, f"env.step raised {type(err).__name__}: {err}")
             return

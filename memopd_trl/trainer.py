@@ -23,8 +23,12 @@ The trainer orchestrates; the maths lives in `losses.py`, the packing in `packin
 """
 
 import functools
+import importlib
 import itertools
+import json
 import os
+import signal
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -40,8 +44,10 @@ from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import TrainerCallback
-from transformers.utils import is_peft_available
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import is_peft_available, logging
 from trl.import_utils import is_vllm_available
 from trl.models.utils import _ForwardRedirection, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
@@ -66,6 +72,7 @@ from .losses import (
     until_first_divergence,
     value_loss,
 )
+from .model_card import build_model_card
 from .packing import PackedInvocationCollator
 from .records import Episode, Invocation
 from .rollout import RolloutEngine
@@ -74,6 +81,9 @@ from .scoring import action_hidden_states, action_logprobs_from_hidden, action_t
 
 if is_peft_available():
     from peft import PeftConfig, PeftModel, get_peft_model
+
+
+logger = logging.get_logger(__name__)
 
 
 _PAPER = {
@@ -179,6 +189,13 @@ class MemOPDTrainer(_BaseTrainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
         if processing_class.pad_token is None:
+            if processing_class.eos_token is None:
+                raise ValueError(
+                    f"The tokenizer ({type(processing_class).__name__}) has neither a pad token nor an EOS token: the "
+                    "packed rows need a pad token and generation needs an EOS token to stop. Set "
+                    "`tokenizer.eos_token` (e.g. the chat template's end-of-turn token, such as '<|im_end|>'), and "
+                    "`tokenizer.pad_token` if it should differ from it."
+                )
             processing_class.pad_token = processing_class.eos_token
         if not getattr(processing_class, "chat_template", None):
             raise ValueError(
@@ -203,6 +220,11 @@ class MemOPDTrainer(_BaseTrainer):
                 "`sampled_kl_coef` > 0 needs a teacher, whose log-probs of the sampled tokens it adds to the advantages: "
                 "pass `teacher_model` or set `teacher_model_name_or_path`, or set `sampled_kl_coef=0`."
             )
+        # For the model card: what the student and the teacher were loaded from ("" for a model built from a config).
+        self._student_name = model_id
+        self._teacher_name = teacher_model if isinstance(teacher_model, str) else None
+        if teacher_model is not None and not isinstance(teacher_model, str):
+            self._teacher_name = getattr(teacher_model.config, "_name_or_path", "")
         if isinstance(teacher_model, str):
             if teacher_processing_class is None:
                 teacher_processing_class = AutoTokenizer.from_pretrained(
@@ -223,7 +245,12 @@ class MemOPDTrainer(_BaseTrainer):
                 disable_dropout_in_model(teacher_model)
 
         env_factory = _apply_env_overrides(env_factory, args)
+        _check_one_batch_fits(train_dataset, args)
+        _validate_records(env_factory, train_dataset, "train_dataset")
+        if eval_dataset is not None:
+            _validate_records(env_factory, eval_dataset, "eval_dataset")
         _check_logit_transforms(model, teacher_model)
+        _warn_low_precision_weights(model, args)
         self.env_factory = env_factory
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._buffers: dict[int, dict[str, Any]] = {}  # rollout batch of each gradient-accumulation slot
@@ -243,6 +270,8 @@ class MemOPDTrainer(_BaseTrainer):
         self._update_skipper = _UpdateSkipper(self)
         self.add_callback(self._update_skipper)
         self.add_callback(_ClearValueHeadGradients(self))
+        self._preemption = _SaveOnSigterm(self)
+        self.add_callback(self._preemption)
 
         self.teacher_model = None
         if teacher_model is not None:
@@ -346,6 +375,43 @@ class MemOPDTrainer(_BaseTrainer):
     def num_skipped_updates(self) -> int:
         """Optimizer updates skipped so far (see `_UpdateSkipper`)."""
         return self._update_skipper.num_skipped
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """
+        `transformers.Trainer.train`, with three differences:
+
+        - `resume_from_checkpoint=True` resumes from the last *complete* checkpoint of `args.output_dir` (one whose
+          `trainer_state.json`, written last, is there and readable); a newer checkpoint cut short by a kill is
+          skipped with a warning, and with only such checkpoints training starts from the beginning.
+        - SIGTERM (a cluster's preemption) during training finishes the current optimizer step, saves a checkpoint
+          and exits with status 0 (`SystemExit(0)`); `resume_from_checkpoint=True` then continues exactly.
+        - A run whose every optimizer update was skipped (every batch had nothing to learn from, or a non-finite
+          loss) raises a `RuntimeError`: it changed nothing and must not look like a success. The checkpoints and
+          logs it wrote stay.
+        """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = _last_complete_checkpoint(self.args.output_dir)
+        skipper = self._update_skipper
+        votes, skipped = skipper.num_votes, skipper.num_skipped
+        self._preemption.reset()
+        with _sigterm_requests(self._preemption):
+            output = super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        if self._preemption.saved_step is not None:
+            logger.warning(
+                f"SIGTERM: stopped after step {self._preemption.saved_step} and saved checkpoint-"
+                f"{self._preemption.saved_step} in {self.args.output_dir}; exiting with status 0. Resume with "
+                "`trainer.train(resume_from_checkpoint=True)`."
+            )
+            raise SystemExit(0)
+        votes, skipped = skipper.num_votes - votes, skipper.num_skipped - skipped
+        if votes > 0 and skipped == votes:
+            raise RuntimeError(
+                f"Every optimizer update of this run was skipped ({skipped} of {votes}): the weights did not change. "
+                f"The last reason: {skipper.last_reason}. Look for failed episodes (`failed_episodes`, "
+                "`rollout/failed_episodes` in the logs, warnings of the `memopd_trl.rollout` logger) or non-finite "
+                "scores."
+            )
+        return output
 
     def _get_train_sampler(self, train_dataset=None) -> torch.utils.data.Sampler:
         # The questions of one optimizer step (all processes, all gradient-accumulation micro-batches) are yielded
@@ -829,35 +895,106 @@ class MemOPDTrainer(_BaseTrainer):
         Play one greedy episode per record of `eval_dataset` (or the trainer's) and report the means of the
         environment's metrics (for `HotpotQAEnv`: answer F1 and EM) and of the episodes' statistics.
 
+        A failed episode (an environment error, a prompt too long for `max_prompt_length`) counts with reward and
+        scores 0; `{prefix}_num_failed_episodes` says how many there were. When every episode failed nothing was
+        scored, and `evaluate()` raises a `RuntimeError` naming the first error instead of reporting scores of 0.
+
         Returns:
             `dict[str, float]`: `{prefix}_{name}` for each name of `Episode.metrics` (`{prefix}_f1`, `{prefix}_em`
             for `HotpotQAEnv`), and `{prefix}_reward`, `{prefix}_turns`, `{prefix}_malformed_actions`,
-            `{prefix}_num_episodes`.
+            `{prefix}_num_episodes`, `{prefix}_num_failed_episodes`.
         """
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("`evaluate()` needs an `eval_dataset` (given here or to the trainer).")
         dataset = _as_dataset(dataset, "eval_dataset")
+        if eval_dataset is not None:  # the trainer's own was checked at construction
+            _validate_records(self.env_factory, dataset, "eval_dataset")
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         records = [dataset[i] for i in range(rank, len(dataset), world)]
         self.model.eval()
         episodes, _ = self._play(records, greedy=True)  # on every process, even without records (collectives)
         names, table = self._episode_table(episodes)
-        # Sums and counts (same shape on every process, whatever the number of records each one played).
-        local = torch.cat([table[:, :-1], torch.ones_like(table[:, :1])], dim=1).sum(0)  # without `failed_episodes`
+        # Sums and counts (same shape on every process, whatever the number of records each one played): the
+        # statistics without `failed_episodes`, then the number of episodes, then the number of failed ones.
+        local = torch.cat([table[:, :-1], torch.ones_like(table[:, :1]), table[:, -1:]], dim=1).sum(0)
         totals = self.accelerator.reduce(local, reduction="sum")
-        count = max(1.0, totals[-1].item())
+        count, failed = totals[-2].item(), totals[-1].item()
+        if count > 0 and failed == count:  # on every process alike: the totals are reduced
+            self.model.train()
+            errors = [ep.info.get("error") or ep.info.get("end_reason") for ep in episodes if ep.failed]
+            raise RuntimeError(
+                f"`evaluate()` scored no episode: all {int(count)} episodes failed, so there is no "
+                f"{metric_key_prefix} score to report."
+                + (f" The first error on this process: {errors[0]}." if errors else "")
+                + " See the warnings of the `memopd_trl.rollout` logger for each one."
+            )
+        count = max(1.0, count)
         metrics = {f"{metric_key_prefix}_{name}": totals[i].item() / count for i, name in enumerate(names[:-1])}
-        metrics[f"{metric_key_prefix}_num_episodes"] = totals[-1].item()
+        metrics[f"{metric_key_prefix}_num_episodes"] = totals[-2].item()
+        metrics[f"{metric_key_prefix}_num_failed_episodes"] = failed
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         self.model.train()
         return metrics
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """`transformers.Trainer.save_model`, and the model card (`README.md`) beside the weights."""
         super().save_model(output_dir, _internal_call)
         if not _internal_call and self.is_world_process_zero():
-            self.create_model_card(model_name=Path(output_dir or self.args.output_dir).name)
+            target = output_dir or self.args.output_dir
+            self.create_model_card(model_name=Path(target).name, output_dir=target)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+        output_dir: str | None = None,
+    ):
+        """
+        Write the model card (`README.md`) into `output_dir` (defaults to `args.output_dir`): the student's base
+        model, the teacher, the distillation and PPO settings, the action format and memory policy, and a snippet
+        that plays one `HotpotQAEnv` episode with the saved agent. See `memopd_trl.model_card`.
+        """
+        if not self.is_world_process_zero():
+            return
+        target = output_dir or self.args.output_dir
+        tags = {tags} if isinstance(tags, str) else set(tags or ())
+        tags.update(self._tag_names)
+        card = build_model_card(
+            model_name=model_name or Path(target).name,
+            model_path=self.hub_model_id or str(target),
+            student_name=self._student_name,
+            teacher_name=self._teacher_name,
+            args=self.args,
+            env=self.env_factory(),
+            trainer_name=self._name,
+            paper=self._paper,
+            tags=sorted(tags),
+            dataset_name=dataset_name,
+            global_step=self.state.global_step,
+        )
+        os.makedirs(target, exist_ok=True)
+        card.save(os.path.join(target, "README.md"))
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs):
+        """
+        `transformers.Trainer.push_to_hub`. When the Hub cannot be reached (no network, `HF_HUB_OFFLINE=1`), the
+        model and its card are saved in `args.output_dir` and a `ConnectionError` says what failed and how to push
+        them later.
+        """
+        try:
+            return super().push_to_hub(commit_message=commit_message, blocking=blocking, **kwargs)
+        except _network_errors() as err:
+            self.save_model()  # the Hub is reached before anything is saved: keep the work
+            repo = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+            raise ConnectionError(
+                f"push_to_hub could not reach the Hugging Face Hub ({type(err).__name__}: {err}). Nothing was "
+                f"uploaded; the model and its card are saved in {self.args.output_dir!r}. Push them later, once "
+                f"online (and without HF_HUB_OFFLINE=1), with `trainer.push_to_hub()`, or from a shell: "
+                f"`hf upload {repo} {self.args.output_dir}`."
+            ) from err
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         super()._save(output_dir, state_dict)
@@ -878,6 +1015,21 @@ class MemOPDTrainer(_BaseTrainer):
             model_name = self.args.hub_model_id.split("/")[-1]
         self.create_model_card(model_name=model_name)
         super()._save_checkpoint(model, trial)
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub client raises when the Hub cannot be reached: `OfflineModeIsEnabled` and socket errors are
+    `ConnectionError`s; the HTTP client's transport errors (connection, timeout, proxy) are its own."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module in ("httpx2", "httpx", "requests"):
+        try:
+            library = importlib.import_module(module)
+        except ImportError:
+            continue
+        error = getattr(library, "TransportError", None) or getattr(library, "ConnectionError", None)
+        if isinstance(error, type) and issubclass(error, BaseException):
+            errors.append(error)
+    return tuple(errors)
 
 
 def _is_peft(model) -> bool:
@@ -923,11 +1075,14 @@ class _UpdateSkipper(TrainerCallback):
     def __init__(self, trainer: "MemOPDTrainer"):
         self.trainer = trainer
         self.num_skipped = 0
+        self.num_votes = 0  # optimizer steps voted on (taken or skipped)
+        self.last_reason: str | None = None  # of this process's last request
         self._requested = False  # by this process, since the last optimizer step
 
     def request(self, reason: str) -> None:
         """Ask for the current update to be skipped (on this process; the vote makes it collective)."""
         self._requested = True
+        self.last_reason = reason
         warnings.warn(
             f"{reason}: this update is skipped ({self.num_skipped + 1} skipped so far, counting this one).",
             stacklevel=3,
@@ -937,12 +1092,96 @@ class _UpdateSkipper(TrainerCallback):
         trainer = self.trainer
         requested = torch.tensor(float(self._requested), device=trainer.accelerator.device)
         self._requested = False
+        self.num_votes += 1
         if trainer.accelerator.reduce(requested, reduction="sum").item() > 0:
             # torch optimizers step only parameters that have a gradient: with none, nothing moves, not even the
             # Adam moments (the value head is in the optimizer, so this covers it too).
             trainer.optimizer.zero_grad(set_to_none=True)
             self.num_skipped += 1
         trainer._metrics["train"]["skipped_updates"].append(float(self.num_skipped))
+
+
+class _SaveOnSigterm(TrainerCallback):
+    """
+    After a SIGTERM (`requested`, set by the signal handler of `_sigterm_requests`), the next step end saves a
+    checkpoint and stops training; `MemOPDTrainer.train` then exits with status 0. With several processes they vote
+    at every step end (any one signalled stops them all at the same step), since saving is collective.
+    """
+
+    def __init__(self, trainer: "MemOPDTrainer"):
+        self.trainer = trainer
+        self.reset()
+
+    def reset(self) -> None:
+        self.requested = False
+        self.saved_step: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = self.requested
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:
+            vote = torch.tensor(float(requested), device=accelerator.device)
+            requested = accelerator.reduce(vote, reduction="sum").item() > 0
+        if requested:
+            control.should_save = True
+            control.should_training_stop = True
+            self.saved_step = state.global_step
+
+
+@contextmanager
+def _sigterm_requests(callback: _SaveOnSigterm) -> Iterator[None]:
+    """While training, SIGTERM asks `callback` for a checkpoint and a stop instead of killing the process."""
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set from the main thread
+        yield
+        return
+
+    def request(signum, frame):
+        callback.requested = True
+        logger.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting.")
+
+    previous = signal.signal(signal.SIGTERM, request)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _last_complete_checkpoint(output_dir: str) -> str | bool | None:
+    """
+    The newest `checkpoint-N` of `output_dir` whose `trainer_state.json` (the last file transformers writes into a
+    checkpoint) is there and parses; newer incomplete ones are warned about. Returns `True` when there is no
+    checkpoint at all (transformers then raises its own error), `None` when all are incomplete (start afresh).
+    """
+    folders = [path for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if path.is_dir()]
+    folders = sorted(
+        (path for path in folders if path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-").isdigit()),
+        key=lambda path: int(path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")),
+        reverse=True,
+    )
+    if not folders:
+        return True
+    skipped = []
+    for folder in folders:
+        try:
+            json.loads((folder / TRAINER_STATE_NAME).read_text())
+        except (OSError, ValueError):
+            skipped.append(folder.name)
+            continue
+        if skipped:
+            warnings.warn(
+                f"Skipping incomplete checkpoint(s) {skipped} in {output_dir} (no readable {TRAINER_STATE_NAME}: the "
+                f"run was killed while writing them); resuming from {folder.name}.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return str(folder)
+    warnings.warn(
+        f"Every checkpoint in {output_dir} ({skipped}) is incomplete (no readable {TRAINER_STATE_NAME}: the run was "
+        "killed while writing it); training starts from the beginning.",
+        UserWarning,
+        stacklevel=3,
+    )
+    return None
 
 
 class _ClearValueHeadGradients(TrainerCallback):
@@ -987,6 +1226,66 @@ def _as_dataset(data, name: str) -> "Dataset | RecordDataset":
             raise TypeError(f"`{name}`[{bad}] is a {type(data[bad]).__name__}; every record must be a dict.")
         return RecordDataset(list(data))
     raise TypeError(f"`{name}` must be a `datasets.Dataset` or a list of dict records, got {type(data).__name__}.")
+
+
+def _check_one_batch_fits(train_dataset, args: MemOPDConfig) -> None:
+    """An optimizer step takes `per_device_train_batch_size * world_size * gradient_accumulation_steps` whole
+    records (the sampler drops a partial batch): with fewer records, `train()` would run zero steps."""
+    batch = args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
+    if len(train_dataset) < batch:
+        raise ValueError(
+            f"`train_dataset` has {len(train_dataset)} records, fewer than one optimizer step takes: "
+            f"{batch} = per_device_train_batch_size ({args.per_device_train_batch_size}) x processes "
+            f"({args.world_size}) x gradient_accumulation_steps ({args.gradient_accumulation_steps}), so no step "
+            "would run. Add records or lower `per_device_train_batch_size` / `gradient_accumulation_steps`."
+        )
+
+
+def _validate_records(env_factory: Callable[[], Any], dataset, name: str) -> None:
+    """
+    Check every record of `dataset` with the environment's own schema (`MemoryAgentEnv.validate_record`, run on one
+    environment from `env_factory`) before any model call, so that a dataset of bad records fails here, naming the
+    record and the field, instead of failing every episode in silence.
+    """
+    env = env_factory()
+    validate = getattr(env, "validate_record", None)
+    if not callable(validate):  # an environment that is not a `MemoryAgentEnv`: nothing to check with
+        return
+    problems = []
+    for index in range(len(dataset)):
+        try:
+            validate(dataset[index])
+        except (ValueError, TypeError, KeyError) as err:
+            problems.append((index, err))
+    if problems:
+        index, err = problems[0]
+        raise ValueError(
+            f"{len(problems)} of the {len(dataset)} records of `{name}` do not fit {type(env).__name__} (checked with "
+            f"its `validate_record`); the first, `{name}`[{index}]: {err}"
+        )
+
+
+def _warn_low_precision_weights(model: nn.Module, args: MemOPDConfig) -> None:
+    """
+    The optimizer updates the trainable weights in their own dtype. In bf16 (8 bits of mantissa) an update smaller
+    than about 1/256 of a weight rounds away: at a learning rate of 1e-6 nearly every update is lost. (DeepSpeed
+    keeps float32 master weights of its own, so it is not warned about.)
+    """
+    if args.deepspeed:
+        return
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    low = [p for p in trainable if p.dtype in (torch.bfloat16, torch.float16)]
+    if low:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in low})
+        warnings.warn(
+            f"{sum(p.numel() for p in low):,} of the {sum(p.numel() for p in trainable):,} trainable weights are "
+            f"stored in {' and '.join(dtypes)}: the optimizer updates them in that precision, where an update below "
+            "about 1/256 of a weight rounds to nothing (at a learning rate of 1e-6 most updates are lost). Load the "
+            "student in float32 (the default for a model given by name; `model.float()` for a loaded one) and set "
+            "`bf16=True` for mixed precision, or train LoRA adapters (`peft_config`), which peft keeps in float32.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_vllm_support(args: MemOPDConfig) -> None:

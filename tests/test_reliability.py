@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
-from memopd_trl.envs.base import ActionFormat, _blocks, parse_action
+from memopd_trl.envs.base import ActionFormat, EnvContractError, MemoryAgentEnv, _blocks, parse_action
 from memopd_trl.envs.data import load_hotpotqa, validate_record
-from memopd_trl.envs.retrieval import BM25Retriever
+from memopd_trl.envs.retrieval import BM25Retriever, corpus_from_records
+from memopd_trl.metrics import qa_f1
 from memopd_trl.rollout import _SENTINEL, RolloutEngine
 
 
@@ -497,11 +498,11 @@ def test_an_observation_the_tokenizer_cannot_encode_fails_that_episode_only(tiny
 # ----- 6. contexts longer than max_prompt_length ---------------------------------------------------------------------
 def test_a_question_longer_than_max_prompt_length_fails_its_episode_and_is_counted(tiny_model, tiny_tokenizer):
     records = [{"_id": "huge", "question": "Why is the sky blue? " * 200, "answer": "x"}, RECORDS[0]]
-    engine = forced_engine(tiny_model, tiny_tokenizer, SEARCH_PARIS, make_factory(max_turns=2), max_prompt_length=256)
+    engine = forced_engine(tiny_model, tiny_tokenizer, SEARCH_PARIS, make_factory(max_turns=2), max_prompt_length=384)
     (huge, normal), stats = engine.rollout(records)
     assert huge.failed and huge.invocations == [] and huge.reward == 0.0
     assert huge.info["end_reason"] == "prompt_too_long" and "max_prompt_length" in huge.info["error"]
-    assert not normal.failed and normal.num_turns == 2 and all(len(i.input_ids) <= 256 for i in normal.invocations)
+    assert not normal.failed and normal.num_turns == 2 and all(len(i.input_ids) <= 384 for i in normal.invocations)
     assert stats["num_failed_episodes"] == stats["num_prompt_too_long"] == 1 and stats["num_env_errors"] == 0
 
 
@@ -515,13 +516,13 @@ def test_a_context_that_needs_shrinking_is_shrunk_and_counted_and_no_action_is_c
         memory_policy="persistent",
     )
     engine = forced_engine(
-        tiny_model, tiny_tokenizer, SEARCH_PARIS, env_factory, max_new_tokens=24, max_prompt_length=300
+        tiny_model, tiny_tokenizer, SEARCH_PARIS, env_factory, max_new_tokens=24, max_prompt_length=360
     )
     (episode,), stats = engine.rollout(RECORDS[:1])
     action_ids = tiny_tokenizer(SEARCH_PARIS, add_special_tokens=False)["input_ids"]
     assert not episode.failed and episode.num_turns == 3 and episode.info["end_reason"] == "max_turns"
     for invocation in episode.invocations:
-        assert len(invocation.input_ids) <= 300
+        assert len(invocation.input_ids) <= 360
         assert invocation.output_ids == action_ids and not invocation.truncated  # the sampled action is never cut
         assert RECORDS[0]["question"] in tiny_tokenizer.decode(invocation.input_ids)  # nor is the task
     assert stats["num_context_truncations"] == episode.info["context_truncations"] == 2
@@ -741,3 +742,94 @@ def test_remote_code_is_off_and_weights_load_as_safetensors_by_default(
         assert kwargs["trust_remote_code"] is False
         if kind == "model":
             assert kwargs["use_safetensors"] is True
+
+
+# ----- 10. environments that break the MemoryAgentEnv contract, and what a custom environment may read ---------------
+class FloatScoreEnv(HotpotQAEnv):
+    """A custom environment whose `score()` returns a bare F1 instead of the documented dict."""
+
+    def score(self, answer):
+        return qa_f1(answer, self.record["answer"])
+
+
+class RecordScoreEnv(MemoryAgentEnv):
+    """A custom environment written from the docs: it reads the current record through the public `record`."""
+
+    def task_text(self, record):
+        return record["question"]
+
+    def search(self, query):
+        return "No results found."
+
+    def score(self, answer):
+        correct = float(answer == self.record["answer"])
+        return {"f1": correct, "em": correct}
+
+
+@pytest.mark.parametrize(
+    ("returned", "match"),
+    [
+        (0.5, r"FloatScoreEnv.score\(\) must return a dict with at least 'f1' and 'em', got float \(0.5\)"),
+        ({"f1": 0.5}, r"FloatScoreEnv.score\(\) returned \{'f1': 0.5\}, which lacks \['em'\]"),
+        ({"f1": "high", "em": 0.0}, r"FloatScoreEnv.score\(\)\['f1'\] must be a number, got str"),
+    ],
+    ids=["float", "no-em", "str-f1"],
+)
+def test_a_score_that_breaks_the_contract_is_an_error_naming_the_method(returned, match):
+    env = FloatScoreEnv(RETRIEVER, top_k=1)
+    env.score = lambda answer: returned
+    env.reset(RECORDS[0])
+    with pytest.raises(EnvContractError, match=match):
+        env.step("<memory>m</memory><answer>Paris</answer>")
+
+
+def test_a_score_that_breaks_the_contract_stops_the_rollout_instead_of_failing_every_episode(tiny_model, tiny_tokenizer):
+    # It used to fail every answered episode (reward 0, a warning each), so a run trained on nothing.
+    answer = "<memory>m</memory><answer>Paris</answer>"
+    engine = forced_engine(tiny_model, tiny_tokenizer, answer, make_factory(env_class=FloatScoreEnv), max_new_tokens=16)
+    with pytest.raises(EnvContractError, match=r"FloatScoreEnv.score\(\) must return a dict"):
+        engine.rollout(RECORDS[:2])
+    engine = forced_engine(tiny_model, tiny_tokenizer, answer, make_factory(), max_new_tokens=16)
+    episodes, _ = engine.rollout(RECORDS[:1])
+    assert episodes[0].reward == 1.0 and not episodes[0].failed
+
+
+def test_a_custom_env_reads_the_current_record_through_a_public_accessor():
+    env = RecordScoreEnv()
+    with pytest.raises(RuntimeError, match="call `reset"):
+        env.record  # noqa: B018
+    env.reset(RECORDS[0])
+    assert env.record is RECORDS[0]
+    assert env.step("<memory>m</memory><answer>Paris</answer>").reward == 1.0
+    env.reset(RECORDS[1])
+    assert env.record is RECORDS[1]
+    assert env.step("<memory>m</memory><answer>Paris</answer>").reward == 0.0
+
+
+# ----- 11. the default system prompt and duplicate passages ----------------------------------------------------------
+def test_the_default_system_prompt_is_the_environments_own_and_true_for_its_memory_policy():
+    compact = HotpotQAEnv(RETRIEVER, memory_policy="compact").system_prompt
+    persistent = HotpotQAEnv(RETRIEVER, memory_policy="persistent").system_prompt
+    custom = RecordScoreEnv().system_prompt
+    assert compact.startswith(HotpotQAEnv.role) and "searching a passage corpus" in compact
+    assert "only the task, your last memory" in compact and "every earlier action" not in compact
+    assert "every earlier action and result" in persistent and "only the task" not in persistent
+    assert custom.startswith(MemoryAgentEnv.role) and "research agent" not in custom
+    for prompt in (compact, persistent, custom):
+        assert prompt.endswith(FMT.describe()) and "compact memory" not in prompt
+    assert HotpotQAEnv(RETRIEVER, system_prompt="Act.").system_prompt == "Act."
+
+
+def test_duplicate_passages_are_indexed_once_and_counted(hotpot_sample_records):
+    # Two overlapping sources of the same paragraphs (as when corpora are concatenated), plus one paragraph that
+    # shares a title with another but has other text, which is kept.
+    passages = corpus_from_records(hotpot_sample_records[:10])
+    variant = dict(passages[0], text=passages[0]["text"] + " (revised)")
+    retriever = BM25Retriever(passages + passages[:5] + [variant] + passages[:2])
+    assert retriever.num_duplicates == 7 and len(retriever) == len(passages) + 1
+    assert retriever.corpus[: len(passages)] == passages, "the first copy of each passage is kept, in corpus order"
+    for passage in passages[:5]:
+        results = retriever.search(f"{passage['title']} {passage['text'][:200]}", top_k=5)
+        keys = [(r["title"], r["text"]) for r in results]
+        assert len(keys) == len(set(keys)), f"a passage fills several top_k slots: {keys}"
+    assert BM25Retriever(passages).num_duplicates == 0

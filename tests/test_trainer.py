@@ -4,6 +4,7 @@ import copy
 import functools
 import math
 import os
+import re
 import sys
 import types
 from collections import defaultdict
@@ -298,10 +299,95 @@ def test_save_reload_gives_same_outputs_and_writes_model_card(
     ids = torch.tensor([tiny_tokenizer("Where was the director born?")["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, student.eval()(ids).logits)
-    card = (tmp_path / "out" / "README.md").read_text()
+    card = (save_dir / "README.md").read_text()
     assert "memopd" in card and "trl" in card
     assert "2608.07068" in card
     assert "MemOPD" in card
+    assert not (tmp_path / "out" / "README.md").exists(), "the card goes beside the weights, not into output_dir"
+
+
+def _python_blocks(markdown: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", markdown, flags=re.DOTALL)
+
+
+def test_the_model_card_names_the_models_and_settings_and_its_snippet_plays_an_episode(
+    tmp_path, world, make_tiny_model, tiny_tokenizer
+):
+    # Student and teacher loaded from local paths, as a user with downloaded checkpoints would.
+    student_dir, teacher_dir = tmp_path / "student-start", tmp_path / "teacher-ckpt"
+    make_tiny_model(seed=0).save_pretrained(student_dir)
+    make_tiny_model(seed=1).save_pretrained(teacher_dir)
+    tiny_tokenizer.save_pretrained(teacher_dir)
+    args = make_config(tmp_path, beta=0.25, distill_coef=0.5, ppo_coef=0.75, teacher_scoring="persistent")
+    trainer = MemOPDTrainer(
+        model=str(student_dir),
+        teacher_model=str(teacher_dir),
+        args=args,
+        train_dataset=world.records,
+        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, action_format="mem1", memory_policy="persistent",
+                                        max_turns=2, system_prompt="Act."),
+        processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    trainer.train()
+    save_dir = tmp_path / "saved"
+    trainer.save_model(str(save_dir))
+    card = (save_dir / "README.md").read_text()
+    assert "None" not in card and "huggingface.co/None" not in card
+    assert f"the local checkpoint `{student_dir}`" in card and f"the local checkpoint `{teacher_dir}`" in card
+    for name, value in [("distill_coef", 0.5), ("beta", 0.25), ("teacher_scoring", "persistent"), ("ppo_coef", 0.75)]:
+        assert f"| `{name}` | `{value}` |" in card, name
+    assert '`"mem1"`: `<think>`' in card and "| memory policy | `persistent` |" in card
+    assert "pipeline(" not in card, "the generic chat example is gone"
+    (snippet,) = _python_blocks(card)
+    assert 'action_format="mem1"' in snippet and 'memory_policy="persistent"' in snippet
+    assert f'from_pretrained("{save_dir}")' in snippet
+    namespace: dict = {}
+    exec(compile(snippet, "model-card-snippet", "exec"), namespace)  # the card's own usage example runs as written
+    episode = namespace["episode"]
+    assert episode.num_turns >= 1 and episode.invocations and episode.record_id == "q1"
+    # A Hub id is named as one, with a link and in the card's metadata.
+    trainer._student_name = "Qwen/Qwen2.5-3B-Instruct"
+    trainer.create_model_card(output_dir=str(tmp_path / "hub-card"))
+    card = (tmp_path / "hub-card" / "README.md").read_text()
+    assert "base_model: Qwen/Qwen2.5-3B-Instruct" in card and "(https://huggingface.co/Qwen/Qwen2.5-3B-Instruct)" in card
+
+
+@pytest.mark.parametrize("failure", ["offline-mode", "connect-error"])
+def test_push_to_hub_without_a_network_says_what_failed_and_how_to_push_later(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, monkeypatch, failure
+):
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    if failure == "offline-mode":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    else:  # the Hub client's HTTP transport fails to connect, as without a network (nothing leaves the machine)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        httpx = _http.httpx2
+
+        def refuse(request):
+            raise httpx.ConnectError("[Errno -3] Temporary failure in name resolution", request=request)
+
+        huggingface_hub.set_client_factory(lambda: httpx.Client(transport=httpx.MockTransport(refuse)))
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_ETAG_TIMEOUT", 1)
+    try:
+        trainer = MemOPDTrainer(
+            model=make_tiny_model(seed=0),
+            args=make_config(tmp_path, distill_coef=0.0, hub_model_id="someone/memopd-agent"),
+            train_dataset=world.records,
+            env_factory=env_factory,
+            processing_class=tiny_tokenizer,
+        )
+        with pytest.raises(ConnectionError, match=r"push_to_hub could not reach the Hugging Face Hub") as caught:
+            trainer.push_to_hub(token="hf_not_a_real_token")
+    finally:
+        if failure == "connect-error":
+            huggingface_hub.set_client_factory(_http.default_client_factory)
+    message = str(caught.value)
+    out = tmp_path / "out"
+    assert str(out) in message and "trainer.push_to_hub()" in message
+    assert f"hf upload someone/memopd-agent {out}" in message
+    assert (out / "model.safetensors").exists() and (out / "README.md").exists(), "the work is saved to push later"
 
 
 def test_evaluate_plays_greedy_episodes_and_reports_f1_em(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):

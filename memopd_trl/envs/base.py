@@ -16,6 +16,7 @@ context grows). Environments speak text and chat messages; they never tokenize.
 """
 
 import functools
+import numbers
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -230,6 +231,13 @@ class MemoryPolicy(ABC):
 
     name: str = "base"
 
+    def describe(self) -> str:
+        """
+        Returns:
+            `str`: what each model call sees under this policy, for the system prompt (empty unless a policy says).
+        """
+        return ""
+
     @abstractmethod
     def build_messages(self, system: str, task: str, turns: list[Turn]) -> list[dict[str, str]]:
         """
@@ -251,6 +259,9 @@ class CompactMemoryPolicy(MemoryPolicy):
 
     name = "compact"
 
+    def describe(self) -> str:
+        return "Each turn you see only the task, your last memory and action, and its result: keep what you need in memory."
+
     def carried_turns(self, turns: list[Turn]) -> list[Turn]:
         return turns[-1:]
 
@@ -269,6 +280,9 @@ class PersistentMemoryPolicy(MemoryPolicy):
     """The growing baseline: system, task, then every action and observation so far."""
 
     name = "persistent"
+
+    def describe(self) -> str:
+        return "Each turn you see the task and every earlier action and result."
 
     def build_messages(self, system: str, task: str, turns: list[Turn]) -> list[dict[str, str]]:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
@@ -310,6 +324,14 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+class EnvContractError(TypeError):
+    """
+    An environment broke the `MemoryAgentEnv` contract (e.g. `score()` returned no dict with `f1` and `em`). It is a
+    bug in the environment's code, the same for every episode: the rollout engine lets it through instead of failing
+    the episode, so a run stops with the message rather than failing every episode in silence.
+    """
+
+
 def _cut(text: str, limit: int | None, marker: str = " ...") -> tuple[str, bool]:
     if limit is None or len(text) <= limit:
         return text, False
@@ -343,8 +365,12 @@ class MemoryAgentEnv(ABC):
         format_penalty (`float`, *optional*, defaults to `0.0`):
             Subtracted from the final reward for each malformed action (the reward never goes below 0).
         system_prompt (`str`, *optional*):
-            Overrides the default system prompt (which states the action format).
+            Overrides the default system prompt (`default_system_prompt()`: the environment's `role`, what the
+            memory policy shows each call, and the action format).
     """
+
+    role: str = "You are an agent solving a task over several turns."
+    """The first sentence of the default system prompt: who the agent is in this environment (a subclass sets its own)."""
 
     def __init__(
         self,
@@ -387,11 +413,45 @@ class MemoryAgentEnv(ABC):
 
     @abstractmethod
     def score(self, answer: str) -> dict[str, float]:
-        """Returns at least `{"f1": ..., "em": ...}` for a final answer against the current record."""
+        """
+        Returns at least `{"f1": ..., "em": ...}` (numbers) for a final answer against the current record (`record`).
+        `step` checks this contract and raises `EnvContractError` naming the method when it is broken.
+        """
+
+    def validate_record(self, record: dict[str, Any]) -> None:
+        """
+        Raise a `ValueError` naming the record and the field when `record` cannot be played. The trainer calls it on
+        every record of its datasets before training. The default builds the task text (`task_text`); a subclass
+        with a schema checks it here (as `HotpotQAEnv` does).
+        """
+        if not isinstance(record, dict):
+            raise ValueError(f"A record must be a dict, got {type(record).__name__}.")
+        try:
+            task = self.task_text(record)
+        except (KeyError, TypeError, ValueError) as err:
+            record_id = record.get("_id", "<no _id>")
+            raise ValueError(
+                f"Record {record_id!r}: {type(self).__name__}.task_text raised {type(err).__name__}: {err}"
+            ) from err
+        if not isinstance(task, str):
+            raise EnvContractError(
+                f"{type(self).__name__}.task_text() must return a str, got {type(task).__name__} ({task!r})."
+            )
 
     def default_system_prompt(self) -> str:
-        """Returns the system prompt stating the task type and the action format."""
-        return "You are a research agent with a compact memory. " + self.action_format.describe()
+        """
+        Returns the system prompt: the environment's `role`, what the memory policy shows each model call, and the
+        action format.
+        """
+        parts = (self.role, self.memory_policy.describe(), self.action_format.describe())
+        return " ".join(part for part in parts if part)
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """The record of the current episode (the one given to `reset`), e.g. to read its answer in `score`."""
+        if self._record is None:
+            raise RuntimeError("No episode yet: call `reset(record)` first.")
+        return self._record
 
     # ----- episode life -------------------------------------------------------------------------------------------
     def reset(self, record: dict[str, Any]) -> list[dict[str, str]]:
@@ -500,8 +560,8 @@ class MemoryAgentEnv(ABC):
             if parsed.kind == "answer":
                 self.answer = parsed.argument
                 self.turns.append(Turn(kept, "", parsed))
-                scores = self.score(parsed.argument)
-                self.f1, self.em = float(scores["f1"]), float(scores["em"])
+                scores = self._checked_scores(self.score(parsed.argument))
+                self.f1, self.em = scores["f1"], scores["em"]
                 info.update(scores)
                 reward = max(0.0, self.f1 - self.format_penalty * self.num_malformed)
                 return self._finish(reward, "answer", "", info)
@@ -518,6 +578,24 @@ class MemoryAgentEnv(ABC):
         if len(self.turns) >= self.max_turns:
             return self._finish(0.0, "max_turns", self.turns[-1].observation, info)
         return StepResult(self.turns[-1].observation, 0.0, False, info)
+
+    def _checked_scores(self, scores: Any) -> dict[str, Any]:
+        """`score()`'s result, with `f1` and `em` as floats; an `EnvContractError` naming the method if it is not
+        a dict holding them as numbers."""
+        method = f"{type(self).__name__}.score()"
+        if not isinstance(scores, dict):
+            raise EnvContractError(
+                f"{method} must return a dict with at least 'f1' and 'em', got {type(scores).__name__} "
+                f'({scores!r}); for example `return {{"f1": f1, "em": em}}`.'
+            )
+        missing = [name for name in ("f1", "em") if name not in scores]
+        if missing:
+            raise EnvContractError(f"{method} returned {scores!r}, which lacks {missing}; it must hold 'f1' and 'em'.")
+        for name in ("f1", "em"):
+            value = scores[name]
+            if not isinstance(value, numbers.Real):
+                raise EnvContractError(f"{method}[{name!r}] must be a number, got {type(value).__name__} ({value!r}).")
+        return {**scores, "f1": float(scores["f1"]), "em": float(scores["em"])}
 
     def _finish(self, reward: float, reason: str, observation: str, info: dict[str, Any]) -> StepResult:
         self.done = True

@@ -49,6 +49,8 @@ class HotpotQAEnv(MemoryAgentEnv):
     ```
     """
 
+    role = "You are a research agent answering questions by searching a passage corpus."
+
     def __init__(self, retriever: Any, top_k: int = 3, **base_kwargs):
         if not callable(getattr(retriever, "search", None)):
             raise TypeError(
@@ -68,11 +70,16 @@ class HotpotQAEnv(MemoryAgentEnv):
         Returns:
             `list[dict]`: the chat messages of the first model call.
         """
-        validate_env_record(record)
+        self.validate_record(record)
         messages = super().reset(record)
         self.sub_f1: list[float] = []
         self.sub_em: list[float] = []
         return messages
+
+    def validate_record(self, record: dict[str, Any]) -> None:
+        """Raise a `ValueError` naming the record and the field unless `record` has string `_id`, `question` and
+        `answer` fields (and, for a multi-objective task, consistent sub-questions); see `validate_env_record`."""
+        validate_env_record(record)
 
     def task_text(self, record: dict[str, Any]) -> str:
         if is_multi_objective(record):
@@ -89,11 +96,11 @@ class HotpotQAEnv(MemoryAgentEnv):
         return "\n".join(f"[{i}] {p['title']}: {p['text']}" for i, p in enumerate(passages, start=1))
 
     def score(self, answer: str) -> dict[str, float]:
-        if is_multi_objective(self._record):
-            scores = multi_answer_scores(answer, self._record["sub_answers"])
+        if is_multi_objective(self.record):
+            scores = multi_answer_scores(answer, self.record["sub_answers"])
             self.sub_f1, self.sub_em = scores["sub_f1"], scores["sub_em"]
             return scores
-        gold = self._record["answer"]
+        gold = self.record["answer"]
         return {"f1": qa_f1(answer, gold), "em": exact_match(answer, gold)}
 
     @classmethod

@@ -16,6 +16,10 @@ class BM25Retriever:
     """
     Okapi BM25 over a list of passages, using `bm25s` for tokenization, indexing and scoring.
 
+    Passages with the same title and identical text are indexed once (the first copy, in corpus order), so one fact
+    never fills several of a search's `top_k` slots; `num_duplicates` counts the copies dropped, and `corpus` holds
+    the passages indexed.
+
     Args:
         corpus (`list[dict]`):
             Passages, each a dict with string fields `"title"` and `"text"`. Other fields are kept and returned.
@@ -65,7 +69,16 @@ class BM25Retriever:
                         f"Passage {i} of `corpus` needs a string {key!r} field, got {passage.get(key)!r}; "
                         "every passage must look like {'title': str, 'text': str}."
                     )
-        self.corpus = list(corpus)
+        # A passage repeated under one title (same title, identical text) would fill several of the `top_k` slots
+        # with one fact: keep its first copy only, and count the rest.
+        seen: set[tuple[str, str]] = set()
+        self.corpus = []
+        for passage in corpus:
+            key = (passage["title"], passage["text"])
+            if key not in seen:
+                seen.add(key)
+                self.corpus.append(passage)
+        self.num_duplicates = len(corpus) - len(self.corpus)
         self.k1, self.b = k1, b
         self._tokenizer = bm25s.tokenization.Tokenizer(stopwords=stopwords, stemmer=stemmer)
         documents = [f"{p['title']} {p['text']}" for p in self.corpus]

@@ -1,0 +1,102 @@
+"""A short training run to interrupt, for tests/test_interruptions.py: the test builds it in-process (the uninterrupted
+run, and the resumed ones), and starts it as a subprocess to kill or signal.
+
+    python tests/interruption_run.py OUTPUT_DIR [--save-steps N] [--kill-in-checkpoint STEP] [--pause-after-step STEP]
+
+The subprocess writes `started` into OUTPUT_DIR when training begins and `step-N` after each step.
+`--kill-in-checkpoint STEP` makes the process SIGKILL itself while it writes checkpoint-STEP (after the weights,
+before the optimizer and the trainer state). `--pause-after-step STEP` sleeps 3 s after that step, so that a signal
+sent then lands mid-run.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import TOKENIZER_TEXTS  # noqa: E402
+
+from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
+from memopd_trl.envs.synthetic import make_synthetic_world  # noqa: E402
+from memopd_trl.modeling import build_tiny_model  # noqa: E402
+from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
+
+
+MAX_STEPS = 4
+
+
+def build_trainer(output_dir, save_steps: int = 1, callbacks=None) -> MemOPDTrainer:
+    """The run: tiny student and teacher, the 8-question synthetic world, `MAX_STEPS` steps, a checkpoint every
+    `save_steps` (0: none)."""
+    tokenizer = build_tokenizer(TOKENIZER_TEXTS, vocab_size=512)
+    sizes = dict(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    world = make_synthetic_world(8, seed=0)
+    args = MemOPDConfig(
+        output_dir=str(output_dir), use_cpu=True, report_to="none", max_steps=MAX_STEPS, per_device_train_batch_size=2,
+        num_generations=2, max_new_tokens=10, max_prompt_length=512, learning_rate=1e-2, logging_steps=1, seed=0,
+        disable_tqdm=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1,
+    )  # fmt: skip
+    return MemOPDTrainer(
+        model=build_tiny_model(seed=0, **sizes),
+        teacher_model=build_tiny_model(seed=1, **sizes),
+        args=args,
+        train_dataset=world.records,
+        env_factory=HotpotQAEnv.factory(
+            corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2, system_prompt="Act."
+        ),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+class Progress(TrainerCallback):
+    """Writes `started` and `step-N` marker files; optionally pauses after one step."""
+
+    def __init__(self, folder: Path, pause_after_step: int | None):
+        self.folder = folder
+        self.pause_after_step = pause_after_step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        (self.folder / "started").touch()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        (self.folder / f"step-{state.global_step}").touch()
+        if state.global_step == self.pause_after_step:
+            time.sleep(3)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--save-steps", type=int, default=1)
+    parser.add_argument("--kill-in-checkpoint", type=int, default=None)
+    parser.add_argument("--pause-after-step", type=int, default=None)
+    options = parser.parse_args()
+    options.output_dir.mkdir(parents=True, exist_ok=True)
+    trainer = build_trainer(
+        options.output_dir, options.save_steps, callbacks=[Progress(options.output_dir, options.pause_after_step)]
+    )
+    if options.kill_in_checkpoint is not None:
+        save_optimizer = trainer._save_optimizer_and_scheduler
+
+        def killed_while_saving(output_dir):
+            if trainer.state.global_step == options.kill_in_checkpoint:
+                os.kill(os.getpid(), signal.SIGKILL)
+            save_optimizer(output_dir)
+
+        trainer._save_optimizer_and_scheduler = killed_while_saving
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
