@@ -128,6 +128,10 @@ class OfflineConfig:
             rest from the `student_expert_memory` one: a start that has seen the memory policy, can carry it out when
             it samples it, and mostly does not (the way a pretrained model has skills it does not use). 0 imitates the
             forgetful expert alone.
+        student_from_teacher (`bool`, *optional*, defaults to `False`):
+            The student start is a copy of the trained teacher that then imitates the `student_expert_memory` expert
+            on `student_warmup_questions` tasks: a start that was taught every skill of the memory policy and then a
+            forgetful habit over it (the student sizes must equal the teacher's).
         dagger_questions (`int`, *optional*, defaults to `0`):
             Training tasks whose student-visited states are labelled by the full expert and added to the teacher's
             imitation data (DAgger-style: the teacher then also learns to act in the states a student reaches). The
@@ -242,6 +246,11 @@ class OfflineConfig:
         metadata={"help": "Fraction of the student start's warm-up tasks played by the full expert instead of the "
                   "forgetful one: a start that has seen the memory policy and mostly does not follow it."},
     )  # fmt: skip
+    student_from_teacher: bool = field(
+        default=False,
+        metadata={"help": "Start the student from a copy of the trained teacher, then imitate the forgetful expert: "
+                  "the skills of the memory policy with a forgetful habit over them."},
+    )  # fmt: skip
     dagger_questions: int = field(
         default=0,
         metadata={"help": "Training tasks whose student-visited states (sampled at temperature 1) are labelled by the "
@@ -323,6 +332,16 @@ class OfflineConfig:
                 f"sizes (student {self.student_hidden_size} x {self.student_layers} layers, teacher "
                 f"{self.teacher_hidden_size} x {self.teacher_layers})."
             )
+        if self.student_from_teacher and (self.student_hidden_size, self.student_layers) != (
+            self.teacher_hidden_size, self.teacher_layers
+        ):
+            raise ValueError(
+                "`student_from_teacher` starts the student from a copy of the teacher: give the student the "
+                f"teacher's sizes (student {self.student_hidden_size} x {self.student_layers} layers, teacher "
+                f"{self.teacher_hidden_size} x {self.teacher_layers})."
+            )
+        if self.student_from_teacher and self.dagger_questions > 0:
+            raise ValueError("`student_from_teacher` needs the teacher first, `dagger_questions` the student first.")
         if not 0.0 <= self.student_full_memory_fraction <= 1.0:
             raise ValueError(
                 f"`student_full_memory_fraction` must be in [0, 1], got {self.student_full_memory_fraction}."
@@ -358,6 +377,7 @@ _LATER_OPTION_DEFAULTS = {
     "share_pretraining": False,
     "replay_questions": 0,
     "student_full_memory_fraction": 0.0,
+    "student_from_teacher": False,
 }
 
 
@@ -594,6 +614,8 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
         recipes["teacher"]["forgetful_memory"] = config.student_expert_memory
     if config.student_full_memory_fraction > 0:
         recipes["student_init"]["full_memory_fraction"] = config.student_full_memory_fraction
+    if config.student_from_teacher:
+        recipes["student_init"]["from_teacher"] = dict(recipes["teacher"])
     if config.dagger_questions > 0:
         recipes["teacher"]["dagger_student"] = dict(recipes["student_init"])
     return recipes
@@ -762,7 +784,7 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
     if config.replay_questions > 0:
         replay_steps = [step for trajectory in pretrain[: config.replay_questions] for step in trajectory.steps]
     base_model = None
-    if config.share_pretraining:
+    if config.share_pretraining and ("teacher" in roles or not config.student_from_teacher):
         # Cached beside the two models: rebuilding only the student start (a changed student recipe) reuses it.
         shared_path = paths["teacher"].parent / SHARED_PRETRAINING_DIR
         recipe = _shared_pretraining_recipe(recipes)
@@ -794,13 +816,17 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             forgetful_steps = _forgetful_state_steps(world, config)
             steps = steps + forgetful_steps
             info["forgetful_state_turns"] = len(forgetful_steps)
+        start_from = base_model
+        if role == "student_init" and config.student_from_teacher:
+            start_from = models["teacher"] if "teacher" in models else load_offline_model(paths["teacher"])
+            info["from_teacher"] = True
         invocations = expert_invocations(steps, tokenizer)
         _warn_if_actions_outgrow_generation(role, invocations + pretrain_data, generation["max_new_tokens"])
         start = time.perf_counter()
         model, losses = train_tiny_agent(
             role, recipe["hidden_size"], recipe["layers"], invocations, copy_data,
             recipe["epochs"], recipe["learning_rate"], tokenizer, config, seed=1 if role == "teacher" else 2,
-            pretrain_data=pretrain_data, base_model=base_model,
+            pretrain_data=pretrain_data, base_model=start_from,
         )  # fmt: skip
         seconds = time.perf_counter() - start
         models[role] = model

@@ -1,5 +1,6 @@
 """memopd_trl.offline: the synthetic world, its tokenizer, and the cached tiny teacher and student start."""
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -287,6 +288,31 @@ def test_a_changed_student_recipe_reuses_the_cached_shared_pretraining_and_train
     assert "reusing" not in capsys.readouterr().out
     cached, fresh = (load_offline_model(tmp_path / d / "student_init").state_dict() for d in ("cached", "fresh"))
     assert cached.keys() == fresh.keys() and all(torch.equal(cached[k], fresh[k]) for k in cached)
+
+
+def test_a_student_from_the_teacher_starts_from_its_weights_and_rebuilds_with_it(tmp_path, monkeypatch):
+    import memopd_trl.offline as offline
+
+    starts = {}
+    train = offline.train_tiny_agent
+
+    def recording(role, *args, base_model=None, **kwargs):
+        starts[role] = None if base_model is None else copy.deepcopy(base_model.state_dict())
+        return train(role, *args, base_model=base_model, **kwargs)
+
+    monkeypatch.setattr(offline, "train_tiny_agent", recording)
+    world = make_offline_world(OfflineConfig(**SHARED), max_turns=multi_objective_max_turns(2, searches_per_question=1))
+    for name, from_teacher in (("shared", False), ("from_teacher", True)):
+        config = OfflineConfig(**{**SHARED, "student_from_teacher": from_teacher})
+        setup = prepare_offline_models(config, world, tmp_path / name, **GENERATION)
+        teacher = load_offline_model(tmp_path / name / "teacher").state_dict()
+        same = all(torch.equal(starts["student_init"][k], v) for k, v in teacher.items())
+        assert same == from_teacher, "the student's imitation starts from the trained teacher exactly when asked"
+        assert ("from_teacher" in setup["student_init"]["recipe"]) == from_teacher
+    assert setup["student_init"]["from_teacher"] and setup["student_init"]["recipe"]["from_teacher"] == setup[
+        "teacher"]["recipe"]  # fmt: skip
+    with pytest.raises(ValueError, match="`student_from_teacher` starts the student from a copy of the teacher"):
+        OfflineConfig(**{**SHARED, "share_pretraining": False, "student_from_teacher": True, "student_hidden_size": 16})
 
 
 def test_a_student_start_that_has_seen_the_memory_policy_has_it_in_its_recipe():
