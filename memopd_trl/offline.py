@@ -324,22 +324,17 @@ class OfflineConfig:
                 f"`replay_questions` ({self.replay_questions}) must be in [0, pretrain_questions "
                 f"({self.pretrain_questions})]: the replayed turns are pretraining turns."
             )
-        if self.share_pretraining and (self.student_hidden_size, self.student_layers) != (
-            self.teacher_hidden_size, self.teacher_layers
+        for name, what in (
+            ("share_pretraining", "starts both models from one pretrained model"),
+            ("student_from_teacher", "starts the student from a copy of the teacher"),
         ):
-            raise ValueError(
-                "`share_pretraining` starts both models from one pretrained model: give the student the teacher's "
-                f"sizes (student {self.student_hidden_size} x {self.student_layers} layers, teacher "
-                f"{self.teacher_hidden_size} x {self.teacher_layers})."
-            )
-        if self.student_from_teacher and (self.student_hidden_size, self.student_layers) != (
-            self.teacher_hidden_size, self.teacher_layers
-        ):
-            raise ValueError(
-                "`student_from_teacher` starts the student from a copy of the teacher: give the student the "
-                f"teacher's sizes (student {self.student_hidden_size} x {self.student_layers} layers, teacher "
-                f"{self.teacher_hidden_size} x {self.teacher_layers})."
-            )
+            if getattr(self, name) and (self.student_hidden_size, self.student_layers) != (
+                self.teacher_hidden_size, self.teacher_layers
+            ):
+                raise ValueError(
+                    f"`{name}` {what}: give the student the teacher's sizes (student {self.student_hidden_size} x "
+                    f"{self.student_layers} layers, teacher {self.teacher_hidden_size} x {self.teacher_layers})."
+                )
         if self.student_from_teacher and self.dagger_questions > 0:
             raise ValueError("`student_from_teacher` needs the teacher first, `dagger_questions` the student first.")
         if not 0.0 <= self.student_full_memory_fraction <= 1.0:

@@ -335,30 +335,19 @@ class MemOPDTrainer(_BaseTrainer):
                 top_k=args.top_k,
                 max_completion_length=args.max_new_tokens,
             )
+        generation = dict(
+            tokenizer=processing_class, env_factory=env_factory, max_new_tokens=args.max_new_tokens,
+            max_prompt_length=args.max_prompt_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        )  # fmt: skip
         self.rollout_engine = RolloutEngine(
             model=self.accelerator.unwrap_model(self.model),
-            tokenizer=processing_class,
-            env_factory=env_factory,
-            max_new_tokens=args.max_new_tokens,
-            max_prompt_length=args.max_prompt_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
             backend="vllm" if args.use_vllm else "hf",
             vllm_llm=self.vllm_generation.llm if args.use_vllm else None,
+            **generation,
         )
         self.teacher_engine = None  # plays `teacher_generations` episodes per question (always the HF backend)
         if args.teacher_generations > 0:
-            self.teacher_engine = RolloutEngine(
-                model=self.accelerator.unwrap_model(self.teacher_model),
-                tokenizer=processing_class,
-                env_factory=env_factory,
-                max_new_tokens=args.max_new_tokens,
-                max_prompt_length=args.max_prompt_length,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-            )
+            self.teacher_engine = RolloutEngine(model=self.accelerator.unwrap_model(self.teacher_model), **generation)
 
     # ------------------------------------------------------------------------------------------------------------
     # Set-up helpers
