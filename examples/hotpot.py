@@ -37,12 +37,18 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer, load_hotpotqa, offline
 from memopd_trl.envs.retrieval import corpus_from_records
-from memopd_trl.report import eval_curve, summarize, write_report
+from memopd_trl.report import eval_curve, misalignment_curve, summarize, write_report
 
 
 # What each arm changes in the MemOPDConfig given on the command line ("configured" changes nothing).
 ARMS = {
-    "ppo": {"distill_coef": 0.0, "teacher_model_name_or_path": None},
+    # PPO alone: no teacher, so none of the settings that only shape the distillation loss either.
+    "ppo": {
+        "distill_coef": 0.0,
+        "teacher_model_name_or_path": None,
+        "teacher_generations": 0,
+        "distill_until_divergence": 0.0,
+    },  # fmt: skip
     "memopd": {"teacher_scoring": "aligned"},
     "memopd_persistent": {"teacher_scoring": "persistent"},
     "configured": {},
@@ -50,10 +56,19 @@ ARMS = {
 # The offline run's trainer settings, set as the parser's defaults so that `--help` shows what a run uses. A `--config`
 # file (examples/smoke.yaml, examples/real.yaml) overrides them, and flags override both.
 OFFLINE_DEFAULTS = dict(
+    # The world where memory matters (docs/results.md): two-part lookup tasks whose first answer must be carried in
+    # memory; the teacher and the student share a pretraining, and the student start is the teacher taught a
+    # forgetful habit (the `searches`-memory expert's imitation), the memory policy it has to relearn.
+    lookup_fraction=1.0, short_names=True, num_sub_questions=2, pretrain_questions=6000, share_pretraining=True,
+    replay_questions=1000, teacher_epochs=1.0, student_hidden_size=128, student_expert_memory="searches",
+    student_from_teacher=True,
+    # Trainer: forward KL (beta=0) on each episode's tokens up to the first the teacher gives < 0.1 (the teacher's
+    # targets after that are for states it never saw), plus one teacher-played episode per question.
     output_dir="outputs/hotpot", max_steps=160, num_iterations=4, per_device_train_batch_size=8, num_generations=4,
-    learning_rate=3e-4, lr_scheduler_type="constant_with_warmup", warmup_steps=20, temperature=0.7, beta=1.0,
-    max_turns=4, memory_policy="compact", action_format="memopd", max_new_tokens=64, max_prompt_length=512,
-    eval_strategy="steps", eval_steps=80, logging_steps=20, save_strategy="no", report_to="none", bf16=False,
+    learning_rate=3e-4, lr_scheduler_type="constant_with_warmup", warmup_steps=20, temperature=0.7, beta=0.0,
+    distill_until_divergence=0.1, distill_divergence_scope="episode", teacher_generations=1,
+    max_turns=4, memory_policy="compact", action_format="memopd", max_new_tokens=96, max_prompt_length=512,
+    eval_strategy="steps", eval_steps=40, logging_steps=20, save_strategy="no", report_to="none", bf16=False,
     attn_implementation=offline.VARLEN_ATTENTION,
     # Without `use_cpu`, processes that `accelerate launch` starts on a machine without GPUs would each run alone.
     use_cpu=not torch.accelerator.is_available(),
@@ -126,6 +141,11 @@ def parse_args(argv: list[str] | None) -> tuple[ScriptArguments, MemOPDConfig, M
              "--model_name_or_path), or run `--arms ppo`.")  # fmt: skip
     if config.distill_coef == 0 and any(arm.startswith("memopd") for arm in args.arms):
         fail("--distill_coef 0 turns the memopd arms into PPO only; give it > 0 or run `--arms ppo`.")
+    for arm in args.arms:  # each arm's settings are checked now, not after minutes of set-up
+        try:
+            replace(config, **ARMS[arm])
+        except ValueError as error:
+            fail(f"arm {arm}: {error}")
     return args, config, model_args
 
 
@@ -235,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
                         path.rmdir()
             log(f"[{arm} seed {seed}] held-out F1 {curve[0][1]:.3f} -> {curve[-1][1]:.3f} ({seconds:.0f} s)")
             runs.append({"arm": arm, "seed": seed, "f1": curve[-1][1], "em": curve[-1][2], "curve": curve,
-                         "seconds": seconds})  # fmt: skip
+                         "misalignment": misalignment_curve(trainer.state.log_history), "seconds": seconds})  # fmt: skip
 
     command = "examples/hotpot.py " + " ".join(sys.argv[1:] if argv is None else argv)
     results = {"mode": "real" if real else "offline", "command": command, "seeds": args.seeds,

@@ -1,7 +1,8 @@
-"""The report of a comparison of arms over seeds: summary, markdown table, `results.json` and a plot of F1 curves.
+"""The report of a comparison of arms over seeds: summary, markdown table, `results.json` and plots.
 
 A run is a `dict` with its `arm`, `seed`, final held-out `f1` / `em` and `curve`, the `[step, f1, em]` of every greedy
-evaluation (step 0 is the start). The set-up, if any, maps a role (`"teacher"`, `"student_init"`) to its held-out
+evaluation (step 0 is the start), and optionally `misalignment`, the `[step, {turn: KL}]` of its alignment audits
+(see [`misalignment_curve`]). The set-up, if any, maps a role (`"teacher"`, `"student_init"`) to its held-out
 `f1` / `em`.
 
 >>> from memopd_trl.report import format_table, summarize
@@ -32,6 +33,25 @@ def eval_curve(log_history: list[dict[str, Any]], start: dict[str, float]) -> li
     """
     curve = [[0, start["f1"], start["em"]]]
     return curve + [[e["step"], e["eval_f1"], e["eval_em"]] for e in log_history if "eval_f1" in e]
+
+
+def misalignment_curve(log_history: list[dict[str, Any]]) -> list[list[Any]]:
+    """
+    The per-turn misalignment of a training run, from its trainer's `state.log_history`: for each logged entry with
+    `misalignment/kl_turn_{k}` (the alignment audit, `MemOPDConfig.audit_steps`), the KL in nats per action token
+    KL(teacher in the student's own contexts || teacher under the persistent history), by turn.
+
+    Returns:
+        `list[list]`: `[step, {turn: kl}]` per entry with an audit (turns as strings, JSON keys); empty when the run
+        was never audited (PPO only, persistent scoring, `audit_steps=0`).
+    """
+    prefix = "misalignment/kl_turn_"
+    curve = []
+    for entry in log_history:
+        turns = {key[len(prefix) :]: value for key, value in entry.items() if key.startswith(prefix)}
+        if turns:
+            curve.append([entry["step"], dict(sorted(turns.items(), key=lambda item: int(item[0])))])
+    return curve
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -108,9 +128,52 @@ def plot_curves(runs: list[dict[str, Any]], setup: dict[str, dict[str, Any]], pa
     plt.close(fig)
 
 
+def plot_misalignment(runs: list[dict[str, Any]], path: str | os.PathLike) -> bool:
+    """
+    Plot the per-turn misalignment of the runs that have it (see [`misalignment_curve`]) to `path`: for each arm, the
+    mean over its audits and seeds of the KL at each turn, with the range over seeds. Returns whether anything was
+    plotted (nothing is written when no run was audited).
+    """
+    per_arm: dict[str, dict[int, list[float]]] = {}
+    for run in runs:
+        for _, turns in run.get("misalignment") or []:
+            for turn, kl in turns.items():
+                per_arm.setdefault(run["arm"], {}).setdefault(int(turn), []).append((run["seed"], kl))
+    if not per_arm:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.8 / len(per_arm)
+    for index, (arm, by_turn) in enumerate(per_arm.items()):
+        turns = sorted(by_turn)
+        means, lows, highs = [], [], []
+        for turn in turns:
+            seeds = {seed for seed, _ in by_turn[turn]}
+            per_seed = [statistics.fmean(kl for s, kl in by_turn[turn] if s == seed) for seed in seeds]
+            means.append(statistics.fmean(per_seed))
+            lows.append(means[-1] - min(per_seed))
+            highs.append(max(per_seed) - means[-1])
+        offsets = [turn + (index - (len(per_arm) - 1) / 2) * width for turn in turns]
+        ax.bar(offsets, means, width=width, color=f"C{index}", yerr=[lows, highs], capsize=3, label=arm)
+    ax.set_xlabel("turn of the episode")
+    ax.set_ylabel("KL(teacher aligned || persistent)\n(nats per action token, T=1)")
+    ax.set_xticks(sorted({turn for by_turn in per_arm.values() for turn in by_turn}))
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_report(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     """
-    Write `results.json` (`results` as given) and `eval_f1.png` to `output_dir`.
+    Write `results.json` (`results` as given), `eval_f1.png` and, when a run was audited, `misalignment.png` to
+    `output_dir`.
 
     Args:
         results (`dict`): holds at least `runs` and `setup` (see the module docstring), and `summary` from
@@ -123,4 +186,5 @@ def write_report(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     output_dir = Path(output_dir)
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     plot_curves(results["runs"], results["setup"], output_dir / "eval_f1.png")
+    plot_misalignment(results["runs"], output_dir / "misalignment.png")
     return format_table(results["summary"], results["setup"])

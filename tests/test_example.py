@@ -52,6 +52,11 @@ def test_smoke_run_trains_every_arm_writes_results_and_never_touches_the_network
     assert {"teacher", "student_init"} <= set(results["setup"]) and results["num_processes"] == 1
     assert results["mode"] == "offline" and "smoke.yaml" in results["command"]
     assert (out / "eval_f1.png").stat().st_size > 0
+    # The aligned arm's alignment audit, per turn; PPO only and persistent scoring are never audited.
+    audits = {run["arm"]: run["misalignment"] for run in results["runs"]}
+    assert audits["memopd"] and "0" in audits["memopd"][0][1], audits
+    assert audits["ppo"] == [] and audits["memopd_persistent"] == []
+    assert (out / "misalignment.png").stat().st_size > 0
     assert (out / "teacher" / "config.json").exists(), "the teacher is cached for reruns"
     assert not (out / "seed-0").exists(), "arms that save nothing leave no empty folders behind"
     assert summary["runs"] == results["runs"]
@@ -64,7 +69,9 @@ def test_help_shows_the_defaults_a_run_uses():
     for flag in ("--config", "--dataset", "--arms", "--seeds", "--distill_coef", "--teacher_scoring", "--use_peft"):
         assert flag in text, flag
     # The offline run's values, not the dataclasses' (learning_rate 1e-06, max_steps -1, beta 0.5).
-    for flag, default in (("--learning_rate", "0.0003"), ("--max_steps", "160"), ("--beta", "1.0")):
+    offline_run = (("--learning_rate", "0.0003"), ("--max_steps", "160"), ("--beta", "0.0"), ("--lookup_fraction", "1.0"),
+                   ("--teacher_generations", "1"))  # fmt: skip
+    for flag, default in offline_run:
         help_of_flag = text.rsplit(f"{flag} {flag.upper()[2:]}", 1)[1][:400]  # the help, after the usage
         assert f"(default: {default})" in help_of_flag, (flag, help_of_flag)
     assert "only where a CUDA GPU is available" in text
@@ -124,8 +131,29 @@ def test_dataset_without_models_is_a_clear_error(hotpot, tmp_path):
 
 
 def test_memopd_arms_refuse_distill_coef_zero(hotpot, tmp_path):
-    with pytest.raises(SystemExit, match="--distill_coef 0"):
+    # The offline recipe's teacher episodes need a distillation term: the config says so first.
+    with pytest.raises(SystemExit, match="`distill_coef` is 0"):
         hotpot.main([*SMOKE, "--distill_coef", "0", "--output_dir", str(tmp_path)])
+    off = ["--teacher_generations", "0", "--distill_until_divergence", "0"]
+    with pytest.raises(SystemExit, match="--distill_coef 0"):
+        hotpot.main([*SMOKE, "--distill_coef", "0", *off, "--output_dir", str(tmp_path)])
+
+
+def test_ppo_arm_runs_under_a_distillation_recipe(hotpot, tmp_path):
+    # The MemOPD recipe's distillation-only settings (teacher episodes, the divergence mask) are refused with
+    # distill_coef 0; the PPO arm drops them instead of failing after the set-up.
+    argv = [*SMOKE, "--arms", "ppo", "--max_steps", "1", "--output_dir", str(tmp_path)]
+    results = hotpot.main(argv + ["--teacher_generations", "1", "--distill_until_divergence", "0.1"])
+    assert [run["arm"] for run in results["runs"]] == ["ppo"]
+
+
+def test_an_arm_the_settings_break_fails_before_the_set_up(hotpot, tmp_path, monkeypatch):
+    # An arm whose overrides clash with the given settings (here a PPO arm that keeps the teacher episodes) stops
+    # with the arm's name before any model is built.
+    monkeypatch.setitem(hotpot.ARMS, "ppo", {"distill_coef": 0.0, "teacher_model_name_or_path": None})
+    with pytest.raises(SystemExit, match="arm ppo: .*teacher_generations"):
+        hotpot.main([*SMOKE, "--teacher_generations", "1", "--output_dir", str(tmp_path)])
+    assert not (tmp_path / "teacher").exists()
 
 
 def test_rerun_reuses_the_cached_teacher_and_student(hotpot, tmp_path, monkeypatch):

@@ -5,7 +5,15 @@ import statistics
 
 import pytest
 
-from memopd_trl.report import eval_curve, format_table, plot_curves, summarize, write_report
+from memopd_trl.report import (
+    eval_curve,
+    format_table,
+    misalignment_curve,
+    plot_curves,
+    plot_misalignment,
+    summarize,
+    write_report,
+)
 
 
 RUNS = [
@@ -25,6 +33,35 @@ def test_eval_curve_starts_at_step_zero_and_keeps_only_evaluations():
         {"step": 2, "eval_f1": 0.5, "eval_em": 0.4},
     ]
     assert eval_curve(log_history, {"f1": 0.1, "em": 0.0}) == [[0, 0.1, 0.0], [1, 0.25, 0.2], [2, 0.5, 0.4]]
+
+
+def test_misalignment_curve_keeps_the_audited_entries_by_turn():
+    log_history = [
+        {
+            "step": 10,
+            "loss": 0.3,
+            "misalignment/kl": 0.5,
+            "misalignment/kl_turn_10": 0.1,
+            "misalignment/kl_turn_2": 1.5,
+        },
+        {"step": 20, "loss": 0.2},
+        {"step": 20, "eval_f1": 0.5, "eval_em": 0.4},
+        {"step": 30, "misalignment/kl_turn_0": 0.0},
+    ]
+    curve = misalignment_curve(log_history)
+    assert curve == [
+        [10, {"2": 1.5, "10": 0.1}],
+        [30, {"0": 0.0}],
+    ]  # turns in numeric order; the overall mean left out
+    assert list(curve[0][1]) == ["2", "10"]
+    assert misalignment_curve([{"step": 1, "loss": 0.1}]) == []
+
+
+def test_misalignment_plot_only_when_a_run_was_audited(tmp_path):
+    assert not plot_misalignment(RUNS, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
+    audited = [{**RUNS[1], "misalignment": [[10, {"0": 0.0, "2": 1.5}]]}, {**RUNS[3], "misalignment": []}]
+    assert plot_misalignment(audited, tmp_path / "kl.png")
+    assert (tmp_path / "kl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_summary_is_the_mean_and_sample_std_over_seeds_in_first_arm_order():
@@ -53,7 +90,11 @@ def test_write_report_writes_results_and_the_plot(tmp_path):
     table = write_report(results, tmp_path)
     assert json.loads((tmp_path / "results.json").read_text()) == results
     assert (tmp_path / "eval_f1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "misalignment.png").exists(), "no run was audited"
     assert table == format_table(results["summary"], SETUP)
+    results["runs"] = [{**RUNS[1], "misalignment": [[10, {"0": 0.0, "2": 1.5}]]}]
+    write_report(results, tmp_path)
+    assert (tmp_path / "misalignment.png").stat().st_size > 0
 
 
 def test_plot_without_a_teacher(tmp_path):
