@@ -5,12 +5,13 @@
     accelerate launch examples/hotpot.py --config examples/smoke.yaml  # the whole pipeline in seconds (tests, CI)
     accelerate launch examples/hotpot.py --help                        # every flag, with the defaults a run uses
 
-Offline (no flags, no network; about 14 minutes on 2 CPU cores, see docs/results.md): `memopd_trl.offline` builds a
-synthetic world and caches a tiny teacher trained by imitation of a scripted expert and a smaller student start. Three
-arms train that same start with the same seed and budget: PPO only (`distill_coef=0`), MemOPD (aligned teacher
-scoring) and MemOPD with persistent-history teacher scoring (the matched control), each evaluated greedily on held-out
-questions; `memopd_trl.report` writes the F1/EM table, `results.json` and `eval_f1.png`. Tiny models: the numbers
-show the mechanics, not the paper's results.
+Offline (no flags, no network; about 16 minutes on 2 CPU cores and 12 more per further seed, see docs/results.md):
+`memopd_trl.offline` builds a synthetic world of two-part lookup tasks whose first answer only the memory can carry,
+and caches a tiny teacher (imitation of a scripted full-memory expert) and a student start (that teacher taught a
+forgetful habit). Three arms train that same start with the same seed and budget: PPO only (`distill_coef=0`),
+MemOPD (aligned teacher scoring) and MemOPD with persistent-history teacher scoring (the matched control), each
+evaluated greedily on held-out tasks; `memopd_trl.report` writes the F1/EM table, `results.json`, `eval_f1.png` and
+the per-turn alignment audit `misalignment.png`. Tiny models: the numbers show the mechanics, not the paper's results.
 
 Real mode (not run in CI): `--model_name_or_path` and `--dataset` (a Hub id or a local HotpotQA .json/.jsonl file).
 `examples/real.yaml` sets what pretrained models need (the parser's defaults are the offline run's), e.g.
