@@ -271,3 +271,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    PartialState().destroy_process_group()  # a gloo/NCCL group left to interpreter shutdown can abort the exit
