@@ -95,16 +95,22 @@ def format_table(summary: dict[str, dict[str, Any]], setup: dict[str, dict[str, 
     return "\n".join(lines)
 
 
-def plot_curves(runs: list[dict[str, Any]], setup: dict[str, dict[str, Any]], path: str | os.PathLike) -> None:
-    """
-    Plot held-out F1 against training step to `path`: one colour per arm (thin: each seed, thick: the mean over
-    seeds) and the teacher's F1 as a dashed line.
-    """
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_curves(runs: list[dict[str, Any]], setup: dict[str, dict[str, Any]], path: str | os.PathLike) -> None:
+    """
+    Plot held-out F1 against training step to `path`: one colour per arm (thin: each seed, thick: the mean over
+    seeds) and the teacher's F1 as a dashed line.
+    """
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for index, arm in enumerate(dict.fromkeys(run["arm"] for run in runs)):
         color = f"C{index}"
@@ -134,34 +140,27 @@ def plot_misalignment(runs: list[dict[str, Any]], path: str | os.PathLike) -> bo
     mean over its audits and seeds of the KL at each turn, with the range over seeds. Returns whether anything was
     plotted (nothing is written when no run was audited).
     """
-    per_arm: dict[str, dict[int, list[float]]] = {}
+    kls: dict[str, dict[int, dict[int, list[float]]]] = {}  # arm -> turn -> seed -> the KL of each audit
     for run in runs:
         for _, turns in run.get("misalignment") or []:
             for turn, kl in turns.items():
-                per_arm.setdefault(run["arm"], {}).setdefault(int(turn), []).append((run["seed"], kl))
-    if not per_arm:
+                kls.setdefault(run["arm"], {}).setdefault(int(turn), {}).setdefault(run["seed"], []).append(kl)
+    if not kls:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    width = 0.8 / len(per_arm)
-    for index, (arm, by_turn) in enumerate(per_arm.items()):
+    width = 0.8 / len(kls)
+    for index, (arm, by_turn) in enumerate(kls.items()):
         turns = sorted(by_turn)
-        means, lows, highs = [], [], []
-        for turn in turns:
-            seeds = {seed for seed, _ in by_turn[turn]}
-            per_seed = [statistics.fmean(kl for s, kl in by_turn[turn] if s == seed) for seed in seeds]
-            means.append(statistics.fmean(per_seed))
-            lows.append(means[-1] - min(per_seed))
-            highs.append(max(per_seed) - means[-1])
-        offsets = [turn + (index - (len(per_arm) - 1) / 2) * width for turn in turns]
-        ax.bar(offsets, means, width=width, color=f"C{index}", yerr=[lows, highs], capsize=3, label=arm)
+        per_seed = [[statistics.fmean(values) for values in by_turn[turn].values()] for turn in turns]
+        means = [statistics.fmean(values) for values in per_seed]
+        below = [mean - min(values) for mean, values in zip(means, per_seed, strict=True)]
+        above = [max(values) - mean for mean, values in zip(means, per_seed, strict=True)]
+        offsets = [turn + (index - (len(kls) - 1) / 2) * width for turn in turns]
+        ax.bar(offsets, means, width=width, color=f"C{index}", yerr=[below, above], capsize=3, label=arm)
     ax.set_xlabel("turn of the episode")
     ax.set_ylabel("KL(teacher aligned || persistent)\n(nats per action token, T=1)")
-    ax.set_xticks(sorted({turn for by_turn in per_arm.values() for turn in by_turn}))
+    ax.set_xticks(sorted({turn for by_turn in kls.values() for turn in by_turn}))
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
@@ -186,5 +185,7 @@ def write_report(results: dict[str, Any], output_dir: str | os.PathLike) -> str:
     output_dir = Path(output_dir)
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     plot_curves(results["runs"], results["setup"], output_dir / "eval_f1.png")
-    plot_misalignment(results["runs"], output_dir / "misalignment.png")
+    if not plot_misalignment(results["runs"], output_dir / "misalignment.png"):
+        # An earlier run's plot in the same directory would not describe these runs.
+        (output_dir / "misalignment.png").unlink(missing_ok=True)
     return format_table(results["summary"], results["setup"])
