@@ -166,6 +166,11 @@ class MemOPDConfig(_BaseConfig):
 
         max_tokens_per_row (`int`, *optional*, defaults to `4096`):
             Token budget of one packed row; whole invocations are packed into rows, never split.
+        share_prefix (`bool`, *optional*, defaults to `True`):
+            Shared-prefix packing: invocations that begin with the same tokens (every turn of every episode of one
+            question shares the system prompt and the task) are laid out as a tree, the prefix scored once, exactly.
+            Used when every model that scores the batch runs `"memopd_sdpa_varlen"`, `"sdpa"` or `"eager"`
+            attention; with others the trainer packs whole invocations. Set `False` to always pack whole invocations.
         logit_chunk_size (`int`, *optional*, defaults to `1024`):
             Action tokens per chunk when applying the LM heads, which bounds peak memory by chunk x vocabulary.
 
@@ -386,6 +391,14 @@ class MemOPDConfig(_BaseConfig):
     # Packing and scoring
     max_tokens_per_row: int = field(
         default=4096, metadata={"help": "Token budget of one packed row (whole invocations, never split)."}
+    )
+    share_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Shared-prefix packing: invocations that begin with the same tokens are laid out as a tree, the "
+            "prefix scored once, exactly. Used when every scoring model runs `memopd_sdpa_varlen`, `sdpa` or `eager` "
+            "attention; with others whole invocations are packed. `False` always packs whole invocations."
+        },
     )
     logit_chunk_size: int = field(
         default=1024, metadata={"help": "Action tokens per chunk when applying LM heads (bounds peak memory)."}

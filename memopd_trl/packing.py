@@ -170,38 +170,153 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
+def balanced_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """
+    Assign items to as few rows as first-fit decreasing needs (or fewer), with loads as even as they can be made.
+
+    Rows of one batch share a width, so a last row that first-fit decreasing leaves nearly empty is padding that every
+    forward pays for. Starting from `ceil(sum(lengths) / capacity)` rows, items are placed longest first into the
+    least loaded row (ties keep input order); the first row count whose loads all fit, and are no wider than
+    first-fit decreasing's rows, is used; else first-fit decreasing's own rows.
+
+    Args:
+        lengths (`list[int]`):
+            Length of each item.
+        capacity (`int`):
+            Room in one row.
+
+    Returns:
+        `list[list[int]]`: for each row, the indices of its items in placement order.
+    """
+    fallback = first_fit_decreasing(lengths, capacity)
+    fallback_width = max(sum(lengths[i] for i in row) for row in fallback) if fallback else 0
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    for num_rows in range(max(-(-sum(lengths) // capacity), 1), len(fallback) + 1):
+        rows: list[list[int]] = [[] for _ in range(num_rows)]
+        loads = [0] * num_rows
+        for i in order:
+            r = loads.index(min(loads))
+            rows[r].append(i)
+            loads[r] += lengths[i]
+        if max(loads) <= min(capacity, fallback_width):
+            return rows
+    return fallback
+
+
 def _round_up(n: int, multiple: int | None) -> int:
     return n if not multiple else -(-n // multiple) * multiple
 
 
+@dataclass
+class _Group:
+    """Sequences laid out as one tree: their first `prefix_length` tokens once, then the remainder of each member."""
+
+    members: list[int]  # indices into the sequence list
+    prefix_length: int = 0  # 0: one sequence laid out whole
+
+    def length(self, sequences: list[_Sequence]) -> int:
+        return self.prefix_length + sum(len(sequences[m]) - self.prefix_length for m in self.members)
+
+
+def _shareable_length(seq: _Sequence) -> int:
+    """
+    Longest prefix of `seq` that may be shared: it stops at least one token before the first action token, so the
+    token that predicts an invocation's first action always lies in its own remainder (the shift of
+    `action_hidden_states` never crosses into a prefix).
+    """
+    first_action = next((i for i, a in enumerate(seq.action_target_index) if a >= 0), len(seq))
+    return max(first_action - 1, 0)
+
+
+def _common_prefix_length(a: list[int], b: list[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit], strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def shared_prefix_groups(sequences: list[_Sequence], min_prefix_length: int, capacity: int) -> list[_Group]:
+    """
+    Group sequences that begin with the same token ids (at least `min_prefix_length` of them) into trees.
+
+    Sequences are sorted by their shareable tokens, so those with a common beginning (every turn of every episode of
+    one question: the system prompt and the task) are neighbours; each is added to the current group while the
+    prefix common to all members stays at least `min_prefix_length` long, the tokens the group saves do not fall
+    (a preamble common to every question does not swallow the per-question groups) and the tree fits in `capacity`
+    tokens.
+    Prefixes come from token ids only. A sequence that shares with nobody is a group of its own, laid out whole.
+    """
+    shareable = [_shareable_length(seq) for seq in sequences]
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i].token_ids[: shareable[i]])
+    groups: list[_Group] = []
+    current: _Group | None = None
+    for i in order:
+        if current is not None:
+            first = sequences[current.members[0]]
+            # A group of one has no prefix yet: it may share all of its shareable tokens.
+            limit = shareable[current.members[0]] if len(current.members) == 1 else current.prefix_length
+            prefix = _common_prefix_length(first.token_ids, sequences[i].token_ids, min(limit, shareable[i]))
+            candidate = _Group(current.members + [i], prefix)
+            # Joining must not lose what the group shares already: a shorter prefix is shared by one more member.
+            saved_now = (len(current.members) - 1) * current.prefix_length
+            saves_more = len(current.members) * prefix >= saved_now
+            if prefix >= min_prefix_length and saves_more and candidate.length(sequences) <= capacity:
+                current = groups[-1] = candidate
+                continue
+        current = _Group([i])
+        groups.append(current)
+    return groups
+
+
 def _layout(
-    sequences: list[_Sequence], rows: list[list[int]], pad_token_id: int, pad_to_multiple_of: int | None
+    sequences: list[_Sequence], rows: list[list[_Group]], pad_token_id: int, pad_to_multiple_of: int | None
 ) -> tuple[dict[str, torch.Tensor | int | float], torch.Tensor]:
     """
-    Write the sequences into `(rows, width)` tensors; the padding of each row is one more sequence at positions `0..`.
+    Write the groups into `(rows, width)` tensors; the padding of each row is one more sequence at positions `0..`.
+
+    A group with a shared prefix writes the prefix once, at positions `0..P-1`, then each member's remainder at
+    positions `P..len-1`. When some group shares, the batch also gets the tree-attention fields (see
+    [`PackedInvocationCollator`]).
 
     Returns the batch dict and a `(rows, width)` boolean tensor that is True on real (non-padding) tokens.
     """
-    width = _round_up(max(sum(len(sequences[s]) for s in row) for row in rows), pad_to_multiple_of)
+    width = _round_up(max(sum(group.length(sequences) for group in row) for row in rows), pad_to_multiple_of)
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)  # (rows, width)
     position_ids = torch.zeros(shape, dtype=torch.long)  # (rows, width)
     invocation_index = torch.full(shape, -1, dtype=torch.long)  # (rows, width)
     action_target_index = torch.full(shape, -1, dtype=torch.long)  # (rows, width)
     real = torch.zeros(shape, dtype=torch.bool)  # (rows, width)
+    # Attention segments in the flattened (rows * width,) layout: (start, length, start of the prefix it sees, P).
+    segments: list[tuple[int, int, int, int]] = []
 
+    def write(r: int, col: int, seq: _Sequence, start: int, end: int) -> int:
+        n = end - start
+        input_ids[r, col : col + n] = torch.tensor(seq.token_ids[start:end])
+        position_ids[r, col : col + n] = torch.arange(start, end)
+        invocation_index[r, col : col + n] = torch.tensor(seq.invocation_index[start:end])
+        action_target_index[r, col : col + n] = torch.tensor(seq.action_target_index[start:end])
+        real[r, col : col + n] = True
+        return col + n
+
+    num_tokens_saved = 0
     for r, row in enumerate(rows):
         col = 0
-        for s in row:
-            seq = sequences[s]
-            end = col + len(seq)
-            input_ids[r, col:end] = torch.tensor(seq.token_ids)
-            position_ids[r, col:end] = torch.arange(len(seq))
-            invocation_index[r, col:end] = torch.tensor(seq.invocation_index)
-            action_target_index[r, col:end] = torch.tensor(seq.action_target_index)
-            real[r, col:end] = True
-            col = end
-        position_ids[r, col:] = torch.arange(width - col)
+        for group in row:
+            prefix_length, prefix_start = group.prefix_length, r * width + col
+            if prefix_length:
+                col = write(r, col, sequences[group.members[0]], 0, prefix_length)
+                segments.append((prefix_start, prefix_length, prefix_start, 0))
+                num_tokens_saved += (len(group.members) - 1) * prefix_length
+            for m in group.members:
+                start = r * width + col
+                col = write(r, col, sequences[m], prefix_length, len(sequences[m]))
+                segments.append((start, r * width + col - start, prefix_start, prefix_length))
+        if col < width:
+            position_ids[r, col:] = torch.arange(width - col)
+            segments.append((r * width + col, width - col, r * width + col, 0))
 
     num_real_tokens = int(real.sum())
     batch = {
@@ -211,9 +326,32 @@ def _layout(
         "action_target_index": action_target_index,
         "num_action_tokens": int((action_target_index >= 0).sum()),
         "num_real_tokens": num_real_tokens,
+        "num_tokens_saved": num_tokens_saved,
         "fill": num_real_tokens / (len(rows) * width),
     }
+    if num_tokens_saved:
+        batch.update(_tree_fields(segments))
     return batch, real
+
+
+def _tree_fields(segments: list[tuple[int, int, int, int]]) -> dict[str, torch.Tensor | int]:
+    """
+    The tree-attention description of a layout: queries are the segments of the flattened rows, in order; the keys
+    of a segment are the prefix it continues (if any) followed by its own tokens, gathered by `tree_key_index`.
+    """
+    query_lengths = [length for _, length, _, _ in segments]
+    key_index = [
+        torch.cat([torch.arange(prefix_start, prefix_start + prefix_length), torch.arange(start, start + length)])
+        for start, length, prefix_start, prefix_length in segments
+    ]
+    key_lengths = [len(keys) for keys in key_index]
+    return {
+        "tree_cu_seq_lens_q": torch.tensor([0, *query_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        "tree_cu_seq_lens_k": torch.tensor([0, *key_lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        "tree_key_index": torch.cat(key_index),  # (sum of key lengths,) indices into the flattened rows
+        "tree_max_length_q": max(query_lengths),
+        "tree_max_length_k": max(key_lengths),
+    }
 
 
 class _InvocationCollator:
@@ -245,9 +383,9 @@ class _InvocationCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def _collate(
-        self, invocations: list[Invocation], rows_of: Callable[[list[_Sequence]], list[list[int]]]
+        self, invocations: list[Invocation], rows_of: Callable[[list[_Sequence]], list[list[_Group]]]
     ) -> tuple[dict[str, torch.Tensor | int | float], torch.Tensor]:
-        """Rebuild `invocations`, place them in the rows `rows_of(sequences)` gives, and lay the rows out."""
+        """Rebuild `invocations`, place them in the rows of groups `rows_of(sequences)` gives, and lay them out."""
         sequences = _build_sequences(invocations, self.history, self.max_model_length)
         batch, real = _layout(sequences, rows_of(sequences), self.pad_token_id, self.pad_to_multiple_of)
         batch["num_invocations"] = len(invocations)
@@ -256,7 +394,8 @@ class _InvocationCollator:
 
 class PackedInvocationCollator(_InvocationCollator):
     """
-    Collate invocations into padding-free rows: whole rebuilt invocations side by side, positions restarting at 0.
+    Collate invocations into padding-free rows: whole rebuilt invocations side by side, positions restarting at 0,
+    optionally with the prefix common to several invocations laid out once (`share_prefix`).
 
     Each invocation becomes the sequence `input_ids + output_ids` (positions `0..len-1`). Sequences are placed into
     rows by first-fit decreasing (deterministic: ties keep input order) and never split; the width is the longest
@@ -280,6 +419,17 @@ class PackedInvocationCollator(_InvocationCollator):
             `inv0.input_ids + inv0.output_ids + inv0.observation_ids + inv1.output_ids + ... + last.output_ids`.
         pad_to_multiple_of (`int`, *optional*):
             Round the row width up to a multiple of this.
+        share_prefix (`bool`, *optional*, defaults to `False`):
+            Lay out sequences that begin with the same token ids as a tree (shared-prefix packing): the common
+            prefix once, at positions `0..P-1`, then each sequence's remainder at positions `P..len-1`, attending to
+            the prefix and causally to itself, never to a sibling. Every turn of every episode of one question
+            shares the system prompt and the task, so this removes most of the tokens aligned scoring repeats.
+            Prefixes are found from token ids alone and end at least one token before a sequence's first action;
+            rows still hold whole sequences (a tree that outgrows a row is split, its prefix repeated). Score such a
+            batch with `attn_implementation` `"memopd_sdpa_varlen"`, `"sdpa"` or `"eager"`
+            ([`~memopd_trl.scoring.packed_hidden_states`] refuses others).
+        min_shared_prefix_length (`int`, *optional*, defaults to `16`):
+            Shorter common prefixes are not shared (each shared prefix costs one more attention segment).
 
     The returned dict holds (`rows` and `width` as laid out; `N` = total number of output tokens):
 
@@ -290,9 +440,17 @@ class PackedInvocationCollator(_InvocationCollator):
       lengths over the row-major *flattened* layout `(rows * width,)`, every sequence and every row padding counted;
       `max_length_q`, `max_length_k` (`int`). transformers' flash-attention path reshapes query/key/value to
       `(rows * width, heads, head_dim)` when these are given, so they work for any number of rows (with one row,
-      transformers could also infer them from `position_ids`; with several it cannot);
-    - `num_invocations`, `num_action_tokens` (`N`), `num_real_tokens` (`int`) and `fill` (`float`, real tokens /
-      (rows * width)).
+      transformers could also infer them from `position_ids`; with several it cannot). Absent when a prefix is
+      shared;
+    - with a shared prefix instead, the tree-attention fields: `tree_cu_seq_lens_q` (`torch.IntTensor` of shape
+      `(num_segments + 1,)`), cumulative lengths of the segments of the flattened rows (each shared prefix, each
+      remainder, each unshared sequence, each row padding); `tree_key_index` (`torch.LongTensor` of shape `(K,)`),
+      for each segment in turn the flattened indices of the keys it attends to (its prefix, if any, then its own
+      tokens; causal with the queries aligned to the end of the keys); `tree_cu_seq_lens_k` (`(num_segments + 1,)`,
+      cumulative key counts); `tree_max_length_q`, `tree_max_length_k` (`int`);
+    - `num_invocations`, `num_action_tokens` (`N`), `num_real_tokens` (`int`, laid-out tokens), `num_tokens_saved`
+      (`int`, prefix tokens that sharing did not lay out again) and `fill` (`float`, real tokens / (rows * width)).
+      A shared prefix's `invocation_index` is that of the first sequence of its tree.
 
     Example:
 
@@ -314,17 +472,30 @@ class PackedInvocationCollator(_InvocationCollator):
         max_model_length: int | None = None,
         history: str = "aligned",
         pad_to_multiple_of: int | None = None,
+        share_prefix: bool = False,
+        min_shared_prefix_length: int = 16,
     ):
         if max_tokens_per_row < 1:
             raise ValueError(f"`max_tokens_per_row` must be a positive integer, got {max_tokens_per_row}.")
+        if min_shared_prefix_length < 1:
+            raise ValueError(f"`min_shared_prefix_length` must be a positive integer, got {min_shared_prefix_length}.")
         super().__init__(pad_token_id, max_model_length, history, pad_to_multiple_of)
         self.max_tokens_per_row = max_tokens_per_row
+        self.share_prefix = share_prefix
+        self.min_shared_prefix_length = min_shared_prefix_length
 
-    def _rows(self, sequences: list[_Sequence]) -> list[list[int]]:
-        return first_fit_decreasing([len(seq) for seq in sequences], self.max_tokens_per_row)
+    def _rows(self, sequences: list[_Sequence]) -> list[list[_Group]]:
+        if self.share_prefix:
+            groups = shared_prefix_groups(sequences, self.min_shared_prefix_length, self.max_tokens_per_row)
+        else:
+            groups = [_Group([s]) for s in range(len(sequences))]
+        bins = balanced_rows([group.length(sequences) for group in groups], self.max_tokens_per_row)
+        return [[groups[g] for g in row] for row in bins]
 
     def __call__(self, invocations: list[Invocation]) -> dict[str, torch.Tensor | int | float]:
         batch, _ = self._collate(invocations, self._rows)
+        if "tree_key_index" in batch:
+            return batch  # suffixes continue their prefix's positions: the flat varlen fields cannot describe it
         # Every sequence (row padding included) starts where its position is 0; flash varlen kernels read the
         # flattened `(rows * width,)` layout, so the boundaries are flat offsets.
         flat_positions = batch["position_ids"].reshape(-1)  # (rows * width,)
@@ -365,7 +536,7 @@ class PaddedInvocationCollator(_InvocationCollator):
     """
 
     def __call__(self, invocations: list[Invocation]) -> dict[str, torch.Tensor | int | float]:
-        batch, real = self._collate(invocations, lambda sequences: [[s] for s in range(len(sequences))])
+        batch, real = self._collate(invocations, lambda sequences: [[_Group([s])] for s in range(len(sequences))])
         rows, width = batch["input_ids"].shape
         batch["position_ids"] = torch.arange(width).expand(rows, width).clone()  # (rows, width)
         batch["attention_mask"] = real.long()  # (rows, width)

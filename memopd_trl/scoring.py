@@ -6,8 +6,10 @@ the layout it was computed on, so a teacher scored on one layout and a student s
 """
 
 import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +38,156 @@ VARLEN_ATTENTION_IMPLEMENTATIONS = {
     "kernels-community/vllm-flash-attn3",
 }
 _VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# The tree-attention fields of a shared-prefix batch (see PackedInvocationCollator(share_prefix=True)).
+TREE_KEYS = ("tree_cu_seq_lens_q", "tree_cu_seq_lens_k", "tree_key_index", "tree_max_length_q", "tree_max_length_k")
+# Attention implementations that score shared-prefix batches: ours reads the tree fields, sdpa and eager get a mask.
+TREE_ATTENTION_IMPLEMENTATIONS = (VARLEN_SDPA, "sdpa", "eager")
+
+
+@dataclass
+class SegmentPlan:
+    """
+    How [`varlen_sdpa_attention`] runs the segments of a packed batch without a flash kernel: segments bucketed by
+    key count (powers of two), each bucket one padded `scaled_dot_product_attention` call.
+
+    Each bucket is `(query_index, key_index, mask, valid)`: `(n, Lq)` and `(n, Lk)` indices into the flattened rows,
+    the `(n, 1, Lq, Lk)` boolean mask (causal, queries aligned to the end of their keys) and the `(n, Lq)` real
+    queries. `inverse` puts the bucket outputs back in the order of the flattened rows.
+    """
+
+    buckets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    inverse: torch.Tensor
+
+
+def segment_plan(
+    cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor | None = None, key_index: torch.Tensor | None = None
+) -> SegmentPlan:
+    """
+    Plan the attention of packed segments: segment `s` has queries `cu_seq_lens_q[s]:cu_seq_lens_q[s + 1]` of the
+    flattened rows and keys `key_index[cu_seq_lens_k[s]:cu_seq_lens_k[s + 1]]` (its own tokens when `key_index` is
+    None: plain packing). Built once per forward by [`packed_hidden_states`] and shared by every layer.
+    """
+    device = cu_seq_lens_q.device
+    cu_q = cu_seq_lens_q.long()
+    num_tokens = int(cu_q[-1])
+    if key_index is None:
+        cu_k, key_index = cu_q, torch.arange(num_tokens, device=device)
+    else:
+        cu_k = cu_seq_lens_k.long()
+    query_lengths, key_lengths = cu_q.diff(), cu_k.diff()  # (num_segments,)
+    bucket_of = torch.tensor([(int(n) - 1).bit_length() for n in key_lengths.tolist()], device=device)
+    buckets, order = [], []
+    for bucket in bucket_of.unique().tolist():
+        segments = (bucket_of == bucket).nonzero().view(-1)
+        lq, lk = query_lengths[segments], key_lengths[segments]  # (n,)
+        jq = torch.arange(int(lq.max()), device=device)
+        jk = torch.arange(int(lk.max()), device=device)
+        valid_q, valid_k = jq[None] < lq[:, None], jk[None] < lk[:, None]  # (n, Lq), (n, Lk)
+        query_index = torch.where(valid_q, cu_q[segments, None] + jq, 0)
+        keys = key_index[torch.where(valid_k, cu_k[segments, None] + jk, 0)]  # (n, Lk)
+        offset = (lk - lq)[:, None, None]
+        mask = valid_k[:, None, :] & (jk[None, None, :] <= jq[None, :, None] + offset)  # (n, Lq, Lk)
+        buckets.append((query_index, keys, mask[:, None], valid_q))
+        order.append(query_index[valid_q])
+    order = torch.cat(order)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(num_tokens, device=device)
+    return SegmentPlan(buckets, inverse)
+
+
+def _plan_from(kwargs: dict) -> SegmentPlan:
+    if kwargs.get("memopd_segment_plan") is not None:
+        return kwargs["memopd_segment_plan"]
+    if kwargs.get("tree_key_index") is not None:
+        return segment_plan(kwargs["tree_cu_seq_lens_q"], kwargs["tree_cu_seq_lens_k"], kwargs["tree_key_index"])
+    return segment_plan(kwargs["cu_seq_lens_q"])
+
+
+def _flash_varlen(query, key, value, scaling, kwargs) -> torch.Tensor | None:
+    """The segments through torch's varlen flash kernel (CUDA, half precision), or None where it cannot run."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    batch_size, num_heads, seq_len, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    q = query.transpose(1, 2).reshape(batch_size * seq_len, num_heads, head_dim)
+    k, v = (x.transpose(1, 2).reshape(batch_size * seq_len, num_kv_heads, head_dim) for x in (key, value))
+    tree = kwargs.get("tree_key_index") is not None
+    if tree:  # each segment's keys gathered: its prefix, then itself
+        k, v = k[kwargs["tree_key_index"]], v[kwargs["tree_key_index"]]
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    fields = [kwargs[f"tree_{name}" if tree else name] for name in names]
+    parameters = inspect.signature(varlen_attn).parameters
+    if num_heads != num_kv_heads and "enable_gqa" not in parameters:
+        k, v = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))
+    options = {"enable_gqa": True} if num_heads != num_kv_heads and "enable_gqa" in parameters else {}
+    # Causal, aligned to the end of the keys (a suffix sees its whole prefix).
+    options.update({"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True})
+    out = varlen_attn(q, k, v, *fields, scale=scaling, **options)  # (tokens, heads, head_dim)
+    return out.view(batch_size, seq_len, num_heads, head_dim)
+
+
+def _segment_attention(query, key, value, dropout, scaling, kwargs) -> torch.Tensor:
+    """Attention of every segment over its own keys; shapes as in [`varlen_sdpa_attention`]."""
+    if dropout == 0.0:
+        out = _flash_varlen(query, key, value, scaling, kwargs)
+        if out is not None:
+            return out
+    plan = _plan_from(kwargs)
+    batch_size, num_heads, seq_len, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    # (heads, tokens, head_dim) over the flattened rows; gathering (not slicing) the keys of each segment makes the
+    # backward pass add the gradient of every suffix into its one shared prefix.
+    q_flat, k_flat, v_flat = (
+        x.transpose(0, 1).reshape(x.shape[1], batch_size * seq_len, head_dim) for x in (query, key, value)
+    )
+    outputs = []
+    for query_index, key_index, mask, valid in plan.buckets:
+        q = q_flat[:, query_index].transpose(0, 1)  # (n, heads, Lq, head_dim)
+        k, v = (x[:, key_index].transpose(0, 1) for x in (k_flat, v_flat))  # (n, kv_heads, Lk, head_dim)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=num_heads != num_kv_heads
+        )  # (n, heads, Lq, head_dim)
+        outputs.append(out.transpose(1, 2)[valid])  # (real queries, heads, head_dim)
+    out = torch.cat(outputs)[plan.inverse]  # (tokens, heads, head_dim) in the order of the flattened rows
+    return out.view(batch_size, seq_len, num_heads, head_dim)
+
+
+def tree_attention_mask(batch: dict, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """
+    The dense attention mask of a shared-prefix batch, for transformers' `sdpa` and `eager` attention.
+
+    Token `t` of a row sees token `s` when `s <= t` and `s` lies in `t`'s own segment or in the prefix that segment
+    continues; nothing else (no sibling, no other tree, no other row padding).
+
+    Args:
+        batch (`dict`):
+            Output of `PackedInvocationCollator(share_prefix=True)` with a shared prefix (the `tree_*` fields).
+        dtype (`torch.dtype`, *optional*, defaults to `torch.bool`):
+            `torch.bool` (True where attending, for `sdpa`) or a floating dtype (0 where attending, the dtype's
+            minimum elsewhere: the additive mask `eager` attention expects).
+
+    Returns:
+        `torch.Tensor` of shape `(rows, 1, width, width)`.
+    """
+    rows, width = batch["input_ids"].shape
+    device = batch["input_ids"].device
+    query_lengths = batch["tree_cu_seq_lens_q"].diff().long()
+    cu_k = batch["tree_cu_seq_lens_k"].long()
+    segment = torch.repeat_interleave(torch.arange(len(query_lengths), device=device), query_lengths)  # (rows*width,)
+    # A segment whose keys outnumber its queries continues a prefix: the segment of its first key.
+    first_key_segment = segment[batch["tree_key_index"][cu_k[:-1]]]  # (num_segments,)
+    prefix_segment = torch.where(cu_k.diff() > query_lengths, first_key_segment, -1)
+    segment, prefix_segment = segment.view(rows, width), prefix_segment[segment].view(rows, width)
+    visible = (segment[:, None, :] == segment[:, :, None]) | (segment[:, None, :] == prefix_segment[:, :, None])
+    visible &= torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    visible = visible[:, None]  # (rows, 1, width, width)
+    if dtype == torch.bool:
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
 def varlen_sdpa_attention(
@@ -49,14 +201,20 @@ def varlen_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """
-    Padding-free attention with plain torch sdpa: causal attention inside each sequence of `cu_seq_lens_q`.
+    Padding-free attention with plain torch sdpa: causal attention inside each sequence of `cu_seq_lens_q`, or over
+    the tree of a shared-prefix batch.
 
     transformers runs packed rows under `sdpa`/`eager` with a dense `(rows, 1, width, width)` block mask, so attention
-    costs `width` per token whatever the sequence lengths, and masked kernels cannot skip the blocks above the
-    diagonal. Given the flash varlen fields of [`~memopd_trl.packing.PackedInvocationCollator`], this function
-    instead runs `scaled_dot_product_attention(is_causal=True)` on each sequence of the flattened rows: cost
-    `sum(len_i**2) / 2`, the same numbers as a flash-attention varlen kernel, on any device. Without those fields
-    (generation, padded batches) it is exactly transformers' `sdpa`. It is registered as `"memopd_sdpa_varlen"` when
+    costs `width` per token whatever the sequence lengths. Given the flash varlen fields of
+    [`~memopd_trl.packing.PackedInvocationCollator`] (or, for `share_prefix=True`, its `tree_*` fields), this function
+    instead attends within each segment of the flattened rows over that segment's keys (its own tokens; for a
+    remainder of a tree, its prefix and then itself, causal with the queries at the end of the keys). Segments are
+    bucketed by key count in powers of two and each bucket is one padded `scaled_dot_product_attention` call with a
+    boolean mask (a [`SegmentPlan`], built once per forward): cost about `sum(len_q * len_k)`, within 4x of a flash
+    varlen kernel, in a few calls (one call per sequence costs more than it saves for short invocations on CPU,
+    docs/benchmarks.md). On CUDA in half precision it runs torch's own varlen flash kernel
+    (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.9) instead. Without those fields (generation, padded
+    batches) it is exactly transformers' `sdpa`. It is registered as `"memopd_sdpa_varlen"` when
     this module is imported; select it with `model.set_attn_implementation("memopd_sdpa_varlen")` or
     `attn_implementation="memopd_sdpa_varlen"` when loading. Sliding-window attention is not supported.
 
@@ -77,32 +235,13 @@ def varlen_sdpa_attention(
     Returns:
         `tuple`: attention output of shape `(batch_size, seq_len, num_heads, head_dim)` and `None` (no weights).
     """
-    cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if cu_seq_lens is None:
+    if kwargs.get("cu_seq_lens_q") is None and kwargs.get("tree_key_index") is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if kwargs.get("sliding_window") is not None:
         raise ValueError(f"{VARLEN_SDPA!r} does not support sliding-window attention; use 'sdpa' for this model.")
-    batch_size, num_heads, seq_len, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    # Flatten the rows like a varlen kernel: (1, heads, batch_size * seq_len, head_dim), then split into sequences.
-    # The leading batch dimension matters: torch's fused CPU kernels take 4-D inputs, 3-D inputs fall back to a ~10x
-    # slower path. `split` (not slicing) keeps the backward to one concatenation.
-    lengths = cu_seq_lens.diff().tolist()
-    q, k, v = (
-        x.transpose(0, 1).reshape(1, x.shape[1], batch_size * seq_len, head_dim).split(lengths, dim=2)
-        for x in (query, key, value)
-    )
-    enable_gqa = num_heads != num_kv_heads
-    outputs = [
-        F.scaled_dot_product_attention(
-            q_i, k_i, v_i, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=enable_gqa
-        )
-        for q_i, k_i, v_i in zip(q, k, v, strict=True)
-    ]  # each (1, heads, length_i, head_dim)
-    out = torch.cat(outputs, dim=2).view(num_heads, batch_size, seq_len, head_dim)
-    return out.permute(1, 2, 0, 3), None  # (batch_size, seq_len, num_heads, head_dim)
+    return _segment_attention(query, key, value, dropout, scaling, kwargs), None
 
 
 AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
@@ -180,7 +319,19 @@ def packed_hidden_states(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         attention_mask = None  # An all-ones mask carries no information but would switch packing detection off.
 
     varlen_kwargs = {}
-    if attention_mask is None and attn_implementation in VARLEN_ATTENTION_IMPLEMENTATIONS:
+    if "tree_key_index" in batch:  # a shared-prefix layout: the tree fields or a mask built from them
+        if attn_implementation == VARLEN_SDPA:
+            varlen_kwargs = {key: batch[key] for key in TREE_KEYS}
+        elif attn_implementation in TREE_ATTENTION_IMPLEMENTATIONS:
+            mask_dtype = torch.bool if attn_implementation == "sdpa" else _unwrap(model).dtype
+            attention_mask = tree_attention_mask(batch, mask_dtype)
+        else:
+            raise ValueError(
+                f"The batch shares prefixes (PackedInvocationCollator(share_prefix=True)), which {attn_implementation!r} "
+                f"attention cannot score: use one of {TREE_ATTENTION_IMPLEMENTATIONS}, or collate with "
+                "`share_prefix=False`."
+            )
+    elif attention_mask is None and attn_implementation in VARLEN_ATTENTION_IMPLEMENTATIONS:
         missing = [key for key in _VARLEN_KEYS if key not in batch]
         if missing:
             raise ValueError(
@@ -188,6 +339,9 @@ def packed_hidden_states(model: torch.nn.Module, batch: dict) -> torch.Tensor:
                 "invocations apart; build the batch with PackedInvocationCollator."
             )
         varlen_kwargs = {key: batch[key] for key in _VARLEN_KEYS}
+    if attn_implementation == VARLEN_SDPA and varlen_kwargs:
+        # Planned once per forward, not once per layer.
+        varlen_kwargs["memopd_segment_plan"] = _plan_from(varlen_kwargs)
 
     if (
         attn_implementation == "flex_attention"

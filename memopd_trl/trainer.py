@@ -76,7 +76,13 @@ from .model_card import build_model_card
 from .packing import PackedInvocationCollator
 from .records import Episode, Invocation
 from .rollout import RolloutEngine
-from .scoring import action_hidden_states, action_logprobs_from_hidden, action_token_ids, gathered_lm_head
+from .scoring import (
+    TREE_ATTENTION_IMPLEMENTATIONS,
+    action_hidden_states,
+    action_logprobs_from_hidden,
+    action_token_ids,
+    gathered_lm_head,
+)
 
 
 if is_peft_available():
@@ -289,10 +295,22 @@ class MemOPDTrainer(_BaseTrainer):
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
 
+        # Shared-prefix packing where every model that scores the student's batch can attend over a tree.
+        scorers = [self.model] + ([self.teacher_model] if self.teacher_model is not None else [])
+        self.share_prefix = args.share_prefix and all(
+            self.accelerator.unwrap_model(m).config._attn_implementation in TREE_ATTENTION_IMPLEMENTATIONS
+            for m in scorers
+        )
+        if args.share_prefix and not self.share_prefix:
+            logger.info(
+                "share_prefix: packing whole invocations, because not every scoring model runs one of %s attention.",
+                TREE_ATTENTION_IMPLEMENTATIONS,
+            )
         self.collator = PackedInvocationCollator(
             max_tokens_per_row=args.max_tokens_per_row,
             pad_token_id=processing_class.pad_token_id,
             max_model_length=_max_length(self.model),
+            share_prefix=self.share_prefix,
         )
         self.teacher_collator = PackedInvocationCollator(
             max_tokens_per_row=args.max_tokens_per_row,
@@ -301,6 +319,7 @@ class MemOPDTrainer(_BaseTrainer):
                 _max_length(self.accelerator.unwrap_model(self.teacher_model)) if self.teacher_model is not None else None
             ),
             history=args.teacher_scoring,
+            share_prefix=self.share_prefix,
         )
         # The live alignment audit scores the aligned teacher's actions again under the persistent history.
         self.audit_collator = None
@@ -311,6 +330,7 @@ class MemOPDTrainer(_BaseTrainer):
                 pad_token_id=processing_class.pad_token_id,
                 max_model_length=self.teacher_collator.max_model_length,
                 history="persistent",
+                share_prefix=self.share_prefix,
             )
         # With vLLM, TRL's `VLLMGeneration` owns the engine (built from the student's checkpoint, colocated on this
         # process's GPU) and its weight sync; the rollout engine generates with its `vllm.LLM`.
@@ -861,6 +881,10 @@ class MemOPDTrainer(_BaseTrainer):
         if "student_batch" in batch:
             metrics["packing/fill"].append(float(batch["student_batch"].get("fill", 0.0)))
             metrics["packing/rows"].append(float(batch["student_batch"]["input_ids"].shape[0]))
+            # Share of the rebuilt tokens that shared-prefix packing did not lay out again.
+            student_batch = batch["student_batch"]
+            saved = student_batch.get("num_tokens_saved", 0)
+            metrics["packing/shared_fraction"].append(saved / max(student_batch["num_real_tokens"] + saved, 1))
         for key in ("num_context_truncations", "num_failed_episodes", "num_prompt_too_long", "num_truncated_outputs"):
             if key in rollout.stats:
                 metrics[f"rollout/{key.removeprefix('num_')}"].append(float(rollout.stats[key]))

@@ -73,14 +73,15 @@ def test_row_padding_restarts_positions_and_belongs_to_no_invocation(invocations
         assert set(batch["action_target_index"][r, pad[0] :].tolist()) == {-1}
 
 
-def test_packing_is_first_fit_decreasing_and_width_is_the_longest_row(invocations):
-    # Lengths: 16, 8, 26, 8, 5, 14 -> sorted 26, 16, 14, 8(idx1), 8(idx3), 5 into rows of 32.
+def test_packing_balances_the_rows_and_width_is_the_longest_row(invocations):
+    # Lengths: 16, 8, 26, 8, 5, 14. First-fit decreasing into rows of 32 gives [[2, 4], [0, 5], [1, 3]] (width 31);
+    # the same 3 rows balanced, longest first into the least loaded row: 26 | 16 + 8 | 14 + 8 + 5 (width 27).
     batch = PackedInvocationCollator(max_tokens_per_row=32)(invocations)
     rows = [list(dict.fromkeys(i for i in row if i >= 0)) for row in batch["invocation_index"].tolist()]
-    assert rows == [[2, 4], [0, 5], [1, 3]]
-    assert batch["input_ids"].shape == (3, 31)  # the longest row holds 26 + 5 tokens, not 32
+    assert rows == [[2], [0, 3], [5, 1, 4]]
+    assert batch["input_ids"].shape == (3, 27)  # the longest row holds 14 + 8 + 5 tokens, not 32
     assert batch["num_real_tokens"] == sum(inv.num_tokens for inv in invocations) == 77
-    assert batch["fill"] == pytest.approx(77 / (3 * 31))
+    assert batch["fill"] == pytest.approx(77 / (3 * 27))
 
 
 def test_first_fit_decreasing_breaks_ties_by_input_order():
@@ -137,7 +138,7 @@ def test_the_batch_describes_the_layout_only():
     invocations = [make_invocation(4, 3, seed=0, logprobs=[-0.1, -0.2, -0.3]), make_invocation(2, 2, seed=1)]
     packed = PackedInvocationCollator()(invocations)
     layout = {"input_ids", "position_ids", "invocation_index", "action_target_index", "num_invocations"}
-    counts = {"num_action_tokens", "num_real_tokens", "fill"}
+    counts = {"num_action_tokens", "num_real_tokens", "num_tokens_saved", "fill"}
     varlen = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
     assert set(packed) == layout | counts | varlen
     assert set(PaddedInvocationCollator()(invocations)) == layout | counts | {"attention_mask"}
@@ -150,8 +151,8 @@ def test_flash_varlen_boundaries_match_transformers_reading_of_the_flattened_pos
     assert torch.equal(batch["cu_seq_lens_q"], cu_q) and torch.equal(batch["cu_seq_lens_k"], cu_k)
     assert batch["max_length_q"] == batch["max_length_k"] == int(max_q) == 26
     assert isinstance(batch["max_length_q"], int)
-    # 6 invocations + one padding sequence in each of the 3 rows (widths 31: rows hold 31, 30 and 16 tokens).
-    assert batch["cu_seq_lens_q"].tolist() == [0, 26, 31, 47, 61, 62, 70, 78, 93]
+    # 6 invocations + the padding of the rows that have some (width 27: rows hold 26, 24 and 27 tokens).
+    assert batch["cu_seq_lens_q"].tolist() == [0, 26, 27, 43, 51, 54, 68, 76, 81]
 
 
 def test_padded_collator_gives_one_invocation_per_row_with_an_attention_mask(invocations):

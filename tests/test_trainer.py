@@ -240,10 +240,12 @@ def test_default_config_works_on_cpu(tmp_path):
     assert config.teacher_scoring == "aligned" and config.distill_coef > 0 and config.ppo_coef > 0
 
 
+@pytest.mark.parametrize("share_prefix", [False, True])
 def test_every_packed_forward_disables_cache_and_mask(
-    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, monkeypatch
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, monkeypatch, share_prefix
 ):
     # With use_cache=True or an attention mask, transformers silently lets packed invocations attend to each other.
+    # With shared prefixes under sdpa the only mask is the tree's own: 4-D, and blocking more than the causal mask.
     import memopd_trl.trainer as trainer_module
 
     student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
@@ -266,7 +268,7 @@ def test_every_packed_forward_disables_cache_and_mask(
     trainer = MemOPDTrainer(
         model=student,
         teacher_model=teacher,
-        args=make_config(tmp_path, max_tokens_per_row=4096),
+        args=make_config(tmp_path, max_tokens_per_row=4096, share_prefix=share_prefix),
         train_dataset=world.records,
         env_factory=env_factory,
         processing_class=tiny_tokenizer,
@@ -275,7 +277,15 @@ def test_every_packed_forward_disables_cache_and_mask(
     for hook in hooks:
         hook.remove()
     assert len(seen) >= 2, "expected packed forwards of the teacher and the student"
-    assert all(use_cache is False and mask is None for use_cache, mask, _ in seen), seen
+    assert all(use_cache is False for use_cache, _, _ in seen), seen
+    if not share_prefix:
+        assert all(mask is None for _, mask, _ in seen), seen
+    else:
+        for _, mask, _ in seen:
+            assert mask.dim() == 4 and mask.dtype == torch.bool
+            causal = torch.ones(mask.shape[-2:], dtype=torch.bool).tril()
+            assert not bool(mask[:, 0][:, causal].all()), "the tree mask must block what a causal mask would not"
+        assert trainer.share_prefix and any(m["packing/shared_fraction"] > 0.2 for m in trainer.state.log_history if "packing/shared_fraction" in m)
     assert any(bool((pos.diff(dim=-1) != 1).any()) for _, _, pos in seen), "no row held several invocations"
 
 
@@ -1035,3 +1045,45 @@ def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
         make_config(tmp_path, distill_coef=0.0, teacher_generations=1)
     with pytest.raises(ValueError, match="`teacher_generations` must be >= 0"):
         make_config(tmp_path, teacher_generations=-1)
+
+
+@pytest.mark.parametrize("teacher_scoring", ["aligned", "persistent"])
+def test_shared_prefix_packing_trains_the_same_weights_as_whole_invocations(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, teacher_scoring
+):
+    # Same rollouts (same seed), same losses: the tree layout changes how the batch is laid out, not what is learned.
+    weights, shared, losses = [], [], []
+    for share_prefix in (False, True):
+        trainer = MemOPDTrainer(
+            model=make_tiny_model(seed=0, attn_implementation="memopd_sdpa_varlen"),
+            teacher_model=make_tiny_model(seed=1),
+            args=make_config(tmp_path / str(share_prefix), max_steps=2, share_prefix=share_prefix,
+                             teacher_scoring=teacher_scoring),
+            train_dataset=world.records,
+            env_factory=env_factory,
+            processing_class=tiny_tokenizer,
+        )  # fmt: skip
+        trainer.train()
+        weights.append(params_of(trainer.model))
+        shared.append(max(m.get("packing/shared_fraction", 0.0) for m in trainer.state.log_history))
+        losses.append([m["loss"] for m in trainer.state.log_history if "loss" in m])
+    assert shared[0] == 0.0 and shared[1] > 0.2
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    # Two AdamW steps of 1e-2 move a weight by up to 2e-2; Adam divides by the gradient's own size, so the last bits
+    # of a near-zero gradient (summed in another order over a shared prefix) can move a weight by ~1e-5.
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, atol=1e-4, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_shared_prefix_packing_is_off_when_a_scoring_model_cannot_attend_over_a_tree(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    trainer = MemOPDTrainer(
+        model=make_tiny_model(seed=0),
+        teacher_model=make_tiny_model(seed=1, attn_implementation="flex_attention"),
+        args=make_config(tmp_path),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    assert trainer.args.share_prefix and not trainer.share_prefix and not trainer.collator.share_prefix
