@@ -15,7 +15,7 @@ strings to repeat, before imitation (what it was measured to do in the offline r
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -123,6 +123,8 @@ def imitation_train(
     progress: bool = True,
     description: str = "imitation",
     context_weight: float = 0.0,
+    evaluate: Callable[[PreTrainedModel], float] | None = None,
+    eval_epochs: float = 0.0,
 ) -> list[float]:
     """
     Maximum-likelihood training of `model` on the action tokens of `invocations`, and optionally on their contexts.
@@ -147,6 +149,12 @@ def imitation_train(
         context_weight (`float`, *optional*, defaults to `0.0`):
             Weight of the next-token NLL of the context tokens (every token of an invocation's `input_ids` but its
             first). 0 trains the actions only; a small weight (0.5) speeds up learning to read observations.
+        evaluate (`Callable[[PreTrainedModel], float]`, *optional*):
+            Scores the model (higher is better, e.g. greedy F1 on tasks set aside from `invocations`) every
+            `eval_epochs` epochs and after the last step; the model ends with the weights of the best score (the
+            latest of equal ones), not necessarily the last.
+        eval_epochs (`float`, *optional*, defaults to `0.0`):
+            Epochs between two calls of `evaluate`; 0 calls it only after the last step.
 
     Returns:
         `list[float]`: the mean action-token NLL of every optimizer step (without the context term).
@@ -157,11 +165,14 @@ def imitation_train(
         raise ValueError(f"`epochs` must be > 0, got {epochs}.")
     if context_weight < 0:
         raise ValueError(f"`context_weight` must be >= 0, got {context_weight}.")
+    if eval_epochs < 0:
+        raise ValueError(f"`eval_epochs` must be >= 0, got {eval_epochs}.")
     rng = random.Random(seed)
     collator = PackedInvocationCollator(max_tokens_per_row=max_tokens_per_row, pad_token_id=pad_token_id)
     steps_per_epoch = len(_batches(invocations, tokens_per_batch, random.Random(seed)))
     total_steps = max(1, math.ceil(epochs * steps_per_epoch))
     warmup = max(1, int(warmup_fraction * total_steps))
+    eval_steps = max(1, round(eval_epochs * steps_per_epoch)) if eval_epochs else 0
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
 
     def lr_factor(step: int) -> float:
@@ -173,6 +184,17 @@ def imitation_train(
     device = next(model.parameters()).device
     model.train()
     losses: list[float] = []
+    best: tuple[float, dict[str, torch.Tensor]] | None = None  # (score, weights) of the best evaluation so far
+
+    def checkpoint() -> None:
+        nonlocal best
+        score = evaluate(model)
+        model.train()
+        if best is None or score >= best[0]:
+            best = (score, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        if progress:
+            bar.write(f"[{description}] step {len(losses)}/{total_steps}: score {score:.3f} (best {best[0]:.3f})")
+
     bar = tqdm(total=total_steps, desc=description, disable=not progress)
     while len(losses) < total_steps:
         for batch_invocations in _batches(invocations, tokens_per_batch, rng):
@@ -194,6 +216,11 @@ def imitation_train(
             losses.append(action_nll.item())
             bar.update(1)
             bar.set_postfix(nll=f"{losses[-1]:.3f}")
+            if evaluate is not None and eval_steps and len(losses) % eval_steps == 0 and len(losses) < total_steps:
+                checkpoint()
+    if evaluate is not None:
+        checkpoint()
+        model.load_state_dict(best[1])
     bar.close()
     model.eval()
     return losses

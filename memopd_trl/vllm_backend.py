@@ -56,6 +56,13 @@ class VLLMBackend:
                 "log-probs are tempered like the trainer's scoring.",
                 stacklevel=2,
             )
+        if _prefix_caching(llm) is False:
+            warnings.warn(
+                "The vLLM engine runs without automatic prefix caching; build it with `enable_prefix_caching=True`: "
+                "the episodes of a question share their first context and every turn shares the task, which the "
+                "cache then prefills once.",
+                stacklevel=2,
+            )
         if top_p < 1 or top_k > 0:
             warnings.warn(
                 "With `top_p` < 1 or `top_k` > 0, vLLM's log-probs are those of the filtered distribution, while the "
@@ -87,7 +94,7 @@ class VLLMBackend:
                 raise ImportError(
                     "`backend='vllm'` needs vLLM: `pip install memopd-trl[vllm]` (GPU only), or use `backend='hf'`."
                 ) from err
-            llm = LLM(model=engine.model, logprobs_mode="processed_logprobs")
+            llm = LLM(model=engine.model, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         return cls(
             llm,
             max_new_tokens=engine.max_new_tokens,
@@ -167,3 +174,10 @@ def _logprobs_mode(llm) -> str | None:
     config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
     mode = getattr(config, "logprobs_mode", None)
     return None if mode is None else str(getattr(mode, "value", mode))
+
+
+def _prefix_caching(llm) -> bool | None:
+    """Whether the engine caches shared prompt prefixes (None where it does not say)."""
+    config = getattr(getattr(llm, "llm_engine", None), "cache_config", None)
+    enabled = getattr(config, "enable_prefix_caching", None)
+    return None if enabled is None else bool(enabled)

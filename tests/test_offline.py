@@ -348,3 +348,44 @@ def test_the_teacher_learns_the_full_experts_actions_in_the_forgetful_experts_st
     assert "forgetful_states" not in recipes["student_init"]
     with pytest.raises(ValueError, match="teacher_forgetful_states"):
         OfflineConfig(**{**SHARED, "teacher_forgetful_states": -1})
+
+
+def test_imitation_keeps_the_weights_of_its_best_scored_checkpoint(make_tiny_model, tiny_tokenizer):
+    from memopd_trl.imitation import imitation_train
+    from memopd_trl.records import Invocation
+
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        Invocation(torch.randint(1, 400, (20,), generator=generator).tolist(), torch.randint(1, 400, (5,),
+                   generator=generator).tolist())
+        for _ in range(64)
+    ]  # fmt: skip
+    model = make_tiny_model(seed=3)
+    scores, snapshots = iter([0.2, 0.9, 0.4, 0.1]), []
+
+    def evaluate(m):
+        snapshots.append({k: v.clone() for k, v in m.state_dict().items()})
+        return next(scores)
+
+    losses = imitation_train(model, data, epochs=2, learning_rate=1e-2, tokens_per_batch=400, progress=False,
+                             evaluate=evaluate, eval_epochs=0.5)  # fmt: skip
+    assert len(snapshots) == 4 and len(losses) > 4  # at 0.5, 1 and 1.5 epochs, and after the last step
+    best = snapshots[1]
+    assert all(torch.equal(v, best[k]) for k, v in model.state_dict().items())
+    assert not all(torch.equal(v, snapshots[-1][k]) for k, v in best.items())
+    with pytest.raises(ValueError, match="eval_epochs"):
+        imitation_train(model, data, evaluate=evaluate, eval_epochs=-1)
+
+
+def test_a_teacher_chosen_on_set_aside_training_tasks_does_not_imitate_them(tmp_path, capsys):
+    config = OfflineConfig(**{**TINY, "teacher_select_tasks": 4, "teacher_select_epochs": 0.25})
+    world = make_offline_world(config, max_turns=3)
+    setup = prepare_offline_models(config, world, tmp_path, **GENERATION)
+    log = capsys.readouterr()
+    assert setup["teacher"]["select_tasks"] == 4 and setup["teacher"]["recipe"]["select_tasks"] == 4
+    assert (log.out + log.err).count("teacher imitation] step") >= 2  # part-way, then after the last step
+    plain = prepare_offline_models(OfflineConfig(**TINY), world, tmp_path / "plain", **GENERATION)
+    assert setup["teacher"]["expert_turns"] < plain["teacher"]["expert_turns"]  # the 4 tasks' turns are left out
+    assert "select_tasks" not in offline_recipes(OfflineConfig(**TINY), world)["teacher"]
+    with pytest.raises(ValueError, match="teacher_select_tasks"):
+        OfflineConfig(**{**TINY, "teacher_select_tasks": -1})

@@ -491,6 +491,19 @@ def test_vllm_engine_that_returns_raw_logprobs_warns():
         VLLMBackend(llm, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_token_ids=[0])
 
 
+@pytest.mark.parametrize("enabled", [False, True])
+def test_vllm_engine_without_prefix_caching_warns(enabled, recwarn):
+    llm = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(
+            model_config=types.SimpleNamespace(logprobs_mode="processed_logprobs"),
+            cache_config=types.SimpleNamespace(enable_prefix_caching=enabled),
+        )
+    )
+    VLLMBackend(llm, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_token_ids=[0])
+    warned = [w for w in recwarn if "prefix caching" in str(w.message)]
+    assert len(warned) == (0 if enabled else 1)
+
+
 def test_vllm_backend_produces_the_same_invocations_through_the_engine(tiny_tokenizer, monkeypatch):
     # A fake `vllm` module: SamplingParams keeps its kwargs; the LLM answers with a fixed action plus one extra token.
     action_ids = tiny_tokenizer("<memory>m</memory><answer>Mozart</answer>", add_special_tokens=False)["input_ids"]
