@@ -5,7 +5,7 @@
     accelerate launch examples/hotpot.py --config examples/smoke.yaml  # the whole pipeline in seconds (tests, CI)
     accelerate launch examples/hotpot.py --help                        # every flag, with the defaults a run uses
 
-Offline (no flags, no network; about 16 minutes on 2 CPU cores and 12 more per further seed, see docs/results.md):
+Offline (no flags, no network; about 12 minutes on 2 CPU cores and 6.5 more per further seed, see docs/results.md):
 `memopd_trl.offline` builds a synthetic world of two-part lookup tasks whose first answer only the memory can carry,
 and caches a tiny teacher (imitation of a scripted full-memory expert) and a student start (that teacher taught a
 forgetful habit). Three arms train that same start with the same seed and budget: PPO only (`distill_coef=0`),
