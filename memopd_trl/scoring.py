@@ -342,6 +342,9 @@ def packed_hidden_states(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     if attn_implementation == VARLEN_SDPA and varlen_kwargs:
         # Planned once per forward, not once per layer.
         varlen_kwargs["memopd_segment_plan"] = _plan_from(varlen_kwargs)
+        # transformers would otherwise build a dense (rows, 1, width, width) packed mask that this attention never
+        # reads (about a tenth of a forward at 4096-wide rows); a ready 4-D mask is passed through as is.
+        attention_mask = torch.ones(input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=input_ids.device)
 
     if (
         attn_implementation == "flex_attention"
