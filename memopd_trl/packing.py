@@ -1,7 +1,7 @@
 """Rebuild recorded invocations as independent sequences and lay them out in rows for one forward pass.
 
 Every invocation is rebuilt as its own sequence `input_ids + output_ids` with positions `0..len-1` (invariants 2
-and 3 in docs/design.md). [`PackedInvocationCollator`] places whole sequences side by side in a few rows (first-fit decreasing), so the
+and 3 in docs/design.md). [`PackedInvocationCollator`] places whole sequences side by side in a few balanced rows, so the
 cost of a forward follows real tokens, not padding; [`PaddedInvocationCollator`] gives each sequence a row of its own,
 for comparison. With `history="persistent"` both build instead the control that a prior system used: each episode
 flattened into one growing sequence, so the scorer sees earlier observations the student never saw.
@@ -398,7 +398,8 @@ class PackedInvocationCollator(_InvocationCollator):
     optionally with the prefix common to several invocations laid out once (`share_prefix`).
 
     Each invocation becomes the sequence `input_ids + output_ids` (positions `0..len-1`). Sequences are placed into
-    rows by first-fit decreasing (deterministic: ties keep input order) and never split; the width is the longest
+    as few rows as first-fit decreasing needs, loads balanced ([`balanced_rows`]; deterministic: ties keep input
+    order), and never split; the width is the longest
     row. Row padding is one more sequence with its own positions `0..`, so the packed-sequence detection of
     transformers and flash-attention's varlen kernels treat it as a separate sequence and nothing attends across a
     boundary. Score the batch with [`~memopd_trl.scoring.action_logprobs`], which runs the packed forward correctly.

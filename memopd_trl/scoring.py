@@ -118,8 +118,7 @@ def _flash_varlen(query, key, value, scaling, kwargs) -> torch.Tensor | None:
     tree = kwargs.get("tree_key_index") is not None
     if tree:  # each segment's keys gathered: its prefix, then itself
         k, v = k[kwargs["tree_key_index"]], v[kwargs["tree_key_index"]]
-    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-    fields = [kwargs[f"tree_{name}" if tree else name] for name in names]
+    fields = [kwargs[f"tree_{name}" if tree else name] for name in _VARLEN_KEYS]
     parameters = inspect.signature(varlen_attn).parameters
     if num_heads != num_kv_heads and "enable_gqa" not in parameters:
         k, v = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))
