@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     command = "examples/hotpot.py " + " ".join(sys.argv[1:] if argv is None else argv)
     results = {"mode": "real" if real else "offline", "command": command, "seeds": args.seeds,
-               "num_processes": state.num_processes, "setup": setup, "runs": runs, "summary": summarize(runs),
+               "num_processes": state.num_processes, "distributed_type": PartialState().distributed_type.value,
+               "setup": setup, "runs": runs, "summary": summarize(runs),
                "seconds": time.perf_counter() - started}  # fmt: skip
     if state.is_main_process:
         table = write_report(results, output_dir)

@@ -454,7 +454,9 @@ def gathered_lm_head(
 
     Under DeepSpeed ZeRO-3 the head's parameters are partitioned and only gathered inside the head's own forward, which
     the chunked losses never call, so they are gathered here for as long as the context lasts (TRL's
-    `maybe_gather_lm_head_ctx`; a null context otherwise). Heads are often padded past the tokenizer (e.g. 151936 rows
+    `maybe_gather_lm_head_ctx`). Under FSDP2 a head read inside its model's forward is already whole (FSDP gathered it,
+    and reduces its gradient after the backward); one read outside it is a `DTensor` shard, gathered here without
+    gradient (a teacher's, a reference's, the student's under `no_grad`). A null context otherwise. Heads are often padded past the tokenizer (e.g. 151936 rows
     for 151665 Qwen2.5 tokens): the extra rows are cut, so that teacher and student distributions cover the same ids.
     The backward pass of the chunked losses reads the tensors they saved in the forward.
 
@@ -468,9 +470,27 @@ def gathered_lm_head(
         A context manager giving `(weight, bias)`: `(vocab_size, hidden_size)` and `(vocab_size,)` or `None`.
     """
     weight, bias = lm_head_params(model)
+    if _is_dtensor(weight):  # FSDP2, outside the model's forward: the head is this process's shard
+        if torch.is_grad_enabled() and weight.requires_grad:
+            raise RuntimeError(
+                "The LM head is an FSDP2 shard here and the loss needs its gradient: run the loss inside the model's "
+                "forward (the trainer routes it through the wrapper with `_ForwardRedirection`), where FSDP has "
+                "gathered the head and reduces its gradient."
+            )
+        with torch.no_grad():  # gathered for this use only, freed with the context
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if _is_dtensor(bias) else bias
     with maybe_gather_lm_head_ctx(weight, bias):
         rows = slice(None, vocab_size)
         yield weight[rows], None if bias is None else bias[rows]
+
+
+def _is_dtensor(tensor: torch.Tensor | None) -> bool:
+    if tensor is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _scaled_logits(hidden: torch.Tensor, weight, bias, logit_scale, softcap, temperature) -> torch.Tensor:

@@ -22,6 +22,7 @@ has nothing to learn from, or a non-finite loss, is skipped on every process (`_
 The trainer orchestrates; the maths lives in `losses.py`, the packing in `packing.py`, the forwards in `scoring.py`.
 """
 
+import copy
 import functools
 import importlib
 import itertools
@@ -43,7 +44,7 @@ from accelerate.utils import gather_object, send_to_device
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -76,6 +77,13 @@ from .model_card import build_model_card
 from .packing import PackedInvocationCollator
 from .records import Episode, Invocation
 from .rollout import RolloutEngine
+from .sharding import (
+    all_processes_agree,
+    check_strategy,
+    gathered_for_generation,
+    is_sharded,
+    prepare_frozen_model,
+)
 from .scoring import (
     TREE_ATTENTION_IMPLEMENTATIONS,
     action_hidden_states,
@@ -282,7 +290,8 @@ class MemOPDTrainer(_BaseTrainer):
         self.teacher_model = None
         if teacher_model is not None:
             teacher_model.requires_grad_(False)
-            self.teacher_model = self.accelerator.prepare_model(teacher_model.eval(), evaluation_mode=True)
+            # A full copy per process, or sharded as the student is (FSDP2, ZeRO-3).
+            self.teacher_model = prepare_frozen_model(teacher_model, self.accelerator)
 
         self.ref_model = None
         if args.kl_coef > 0 and not _is_peft(self.model):
@@ -373,12 +382,18 @@ class MemOPDTrainer(_BaseTrainer):
     # Set-up helpers
     # ------------------------------------------------------------------------------------------------------------
     def _load_reference(self, student: PreTrainedModel) -> nn.Module:
-        reference = AutoModelForCausalLM.from_config(
-            student.config, attn_implementation=student.config._attn_implementation, dtype=student.dtype
-        )
-        reference.load_state_dict(student.state_dict())
+        # A copy, not a model rebuilt from the config: under ZeRO-3 transformers builds models from configs partitioned
+        # (`zero.Init`), and a partitioned model cannot load a whole state dict. The student is not prepared yet.
+        reference = copy.deepcopy(student)
         reference.requires_grad_(False)
-        return self.accelerator.prepare_model(reference.eval(), evaluation_mode=True)
+        return prepare_frozen_model(reference, self.accelerator)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # FSDP on CPU processes (which accelerate would quietly replace by DDP), or an error where the strategy asked
+        # for cannot run.
+        check_strategy(self.accelerator, self.args)
+        self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
 
     @property
     def num_skipped_updates(self) -> int:
@@ -456,7 +471,7 @@ class MemOPDTrainer(_BaseTrainer):
             rollout = self._rollout(records)  # 1. play episodes
             self._buffers[slot] = self._score(rollout)  # 2-4. pack, advantages, teacher and reference scoring
             if self.teacher_engine is not None and "skip_reason" not in self._buffers[slot]:
-                self._buffers[slot]["teacher_play"] = self._teacher_play(records)
+                self._buffers[slot]["teacher_play"] = self._teacher_play(records, rollout.invocations)
             self._log_rollout(rollout, self._buffers[slot])
         self._micro_step += 1
         return self._buffers[slot]
@@ -475,8 +490,11 @@ class MemOPDTrainer(_BaseTrainer):
         """
         args, device = self.args, self.accelerator.device
         invocations = rollout.invocations
-        if not invocations:
+        if not self._every_process_has(bool(invocations)):
             # Every episode failed before its first model call (e.g. prompts that cannot fit): nothing to learn from.
+            # With sharded weights every forward is collective, so every process skips when one has nothing.
+            if invocations:
+                return {"skip_reason": "Another process's batch reached no model call (sharded weights: all skip)"}
             return {"skip_reason": f"No episode of this batch reached a model call ({rollout.stats})"}
 
         # 2. pack: every invocation rebuilt as its own sequence, whole invocations packed into rows
@@ -534,28 +552,31 @@ class MemOPDTrainer(_BaseTrainer):
             rollout.seconds["reference"] = time.perf_counter() - start
         return batch
 
-    def _teacher_play(self, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    def _teacher_play(self, records: list[dict[str, Any]], rollout_invocations: list[Invocation]) -> dict[str, Any] | None:
         """
-        The teacher plays `teacher_generations` sampled episodes per record; returns their packed invocations and
-        the teacher's hidden states at every action position (scored as `teacher_scoring` says, as the student's
-        actions are), or `None` when no episode reached a model call. Collective.
+        The teacher plays `teacher_generations` sampled episodes per record; returns their invocations, the
+        teacher's hidden states at every action position (scored as `teacher_scoring` says, as the student's actions
+        are), and `joint_batch`: the rollout's invocations then these, packed together for the student's one forward
+        (`_student_loss`). `None` when no episode reached a model call. Collective.
         """
         args, device = self.args, self.accelerator.device
         start = time.perf_counter()
-        episodes, _ = self.teacher_engine.rollout(records, num_generations=args.teacher_generations, greedy=False)
+        with gathered_for_generation(self.accelerator.unwrap_model(self.teacher_model)):
+            episodes, _ = self.teacher_engine.rollout(records, num_generations=args.teacher_generations, greedy=False)
         invocations = [inv for ep in episodes for inv in ep.invocations]
         metrics = self._metrics["train"]
         f1 = torch.tensor([sum(ep.f1 for ep in episodes) / max(len(episodes), 1)], device=device)
         metrics["teacher_play/f1"].append(self.accelerator.gather(f1).mean().item())
         play = None
-        if invocations:
+        if self._every_process_has(bool(invocations)):
             student_batch = send_to_device(self.collator(invocations), device)
             teacher_batch = student_batch
             if args.teacher_scoring == "persistent":
                 teacher_batch = send_to_device(self.teacher_collator(invocations), device)
             with torch.no_grad():
                 teacher_hidden = action_hidden_states(self.accelerator.unwrap_model(self.teacher_model), teacher_batch)
-            play = {"invocations": invocations, "student_batch": student_batch, "teacher_hidden": teacher_hidden}
+            joint_batch = send_to_device(self.collator(rollout_invocations + invocations), device)
+            play = {"invocations": invocations, "joint_batch": joint_batch, "teacher_hidden": teacher_hidden}
         metrics["time/teacher_play"].append(time.perf_counter() - start)
         return play
 
@@ -602,7 +623,7 @@ class MemOPDTrainer(_BaseTrainer):
             kept.extend(indices)
             tokens.extend(torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in indices)
         audited = [invocations[i] for i in kept]
-        if not sum(len(inv.output_ids) for inv in audited):
+        if not self._every_process_has(sum(len(inv.output_ids) for inv in audited) > 0):
             return
         tokens = torch.cat(tokens)  # (N_audited,)
         device = self.accelerator.device
@@ -664,6 +685,15 @@ class MemOPDTrainer(_BaseTrainer):
             "old_values": values.to(device),  # (N,)
         }
 
+    def _every_process_has(self, flag: bool) -> bool:
+        """
+        `flag` on this process, or, with sharded weights (FSDP, ZeRO-3), on every process (collective): there every
+        forward is collective, so a forward that one process would skip is skipped by all.
+        """
+        if not is_sharded(self.accelerator):
+            return flag
+        return all_processes_agree(self.accelerator, flag)
+
     @contextmanager
     def _reference_model(self) -> Iterator[nn.Module]:
         """The model of the KL term: the frozen copy of the student's start, or a PEFT student with its adapters off."""
@@ -679,7 +709,7 @@ class MemOPDTrainer(_BaseTrainer):
         Play `records` with the current student: `num_generations` sampled episodes each, or one greedy episode.
 
         Every process must call it at the same point, even with no records: gathering the student's weights for
-        generation (DeepSpeed ZeRO-3, vLLM weight sync) is collective.
+        generation (DeepSpeed ZeRO-3, FSDP2, vLLM weight sync) is collective.
 
         Returns:
             `tuple[list[Episode], dict[str, float]]`: the episodes and the rollout statistics of
@@ -688,7 +718,15 @@ class MemOPDTrainer(_BaseTrainer):
         num_generations = 1 if greedy else self.args.num_generations
         if self.vllm_generation is not None:
             return self._play_with_vllm(records, num_generations, greedy)
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped:
+        start = time.perf_counter()
+        with (
+            unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped,
+            gathered_for_generation(unwrapped),  # FSDP2: decoding on shards would make every token collective
+        ):
+            if is_sharded(self.accelerator):  # the cost of gathering the student for this rollout
+                self._metrics["train" if not greedy else "eval"]["time/rollout_gather"].append(
+                    time.perf_counter() - start
+                )
             was_training = unwrapped.training
             unwrapped.eval()
             self.rollout_engine.model = unwrapped
@@ -736,18 +774,41 @@ class MemOPDTrainer(_BaseTrainer):
                 return loss
             # A NaN/inf (teacher or student log-probs, an overflow) would poison the weights.
             reason = f"Non-finite loss ({loss.item()})"
+            self._update_skipper.request(f"{reason} at step {self.state.global_step}")
+            if is_sharded(self.accelerator):
+                # The backward must still run through the sharded model's hooks, whose gradient reduction is
+                # collective; the vote drops the gradients before the optimizer step.
+                return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+            return self._idle_loss(model)
         self._update_skipper.request(f"{reason} at step {self.state.global_step}")
-        # The update is skipped, but this process still runs a backward pass: its gradients are all-reduced with the
-        # other processes' (DDP), whose batches may be fine. A zero loss that sums over every trained parameter gives
-        # each of them a (zero) gradient, so DDP's reducer sees a gradient for every parameter and this process joins
-        # the same all-reduce as the others instead of leaving them waiting.
-        return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        return self._idle_loss(model)
+
+    def _idle_loss(self, model: nn.Module) -> torch.Tensor:
+        """
+        A zero loss for an update that is skipped. This process still runs a backward pass, because the others'
+        gradients are reduced with its own (their batches may be fine). Under DDP a sum over every trained parameter
+        gives each a (zero) gradient, so the reducer joins the same all-reduce as the other processes. With sharded
+        weights the parameters are shards outside a forward, so a one-token forward gives the zero gradients and runs
+        the same collectives as the others' forward and backward (every process skips there together).
+        """
+        if not is_sharded(self.accelerator):
+            return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+        token = torch.full((1, 1), self.processing_class.pad_token_id, dtype=torch.long, device=self.accelerator.device)
+        return model(input_ids=token, use_cache=False).logits.sum() * 0.0
 
     def _student_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """Step 5: the student forward on the packed rows and the loss, from the inputs `_score` made."""
         args = self.args
         batch = inputs["student_batch"]
-        hidden = action_hidden_states(model, batch)  # (N, H)
+        play = inputs.get("teacher_play")  # the teacher's own episodes, distilled on every token
+        if play is None:
+            hidden = action_hidden_states(model, batch)  # (N, H)
+        else:
+            # One student forward for both sets of actions. Under FSDP2 the final norm and the LM head are one unit,
+            # whose gradient is reduced (and head freed) once the backward has passed the norm: a second forward
+            # would have its head freed and its gradient reduced before the first one's backward had reached them.
+            joint = action_hidden_states(model, play["joint_batch"])  # (N + N_play, H)
+            hidden, play_hidden = joint[: len(inputs["old_logprobs"])], joint[len(inputs["old_logprobs"]) :]
         metrics = self._metrics["train"]
         with gathered_lm_head(model, self.vocab_size) as (weight, bias):
             logprobs, entropy = action_logprobs_from_hidden(
@@ -791,10 +852,9 @@ class MemOPDTrainer(_BaseTrainer):
                         )  # (N,)
                         if "distill_mask" in inputs:  # the tokens up to each action's first divergence
                             divergence = divergence[inputs["distill_mask"]]
-                        if inputs.get("teacher_play") is not None:  # the teacher's own episodes, every token
-                            play = inputs["teacher_play"]
+                        if play is not None:
                             play_divergence = chunked_generalized_jsd(
-                                action_hidden_states(model, play["student_batch"]),
+                                play_hidden,
                                 weight,
                                 play["teacher_hidden"],
                                 teacher_weight,
@@ -1055,7 +1115,7 @@ def _load_model(name: str, init_kwargs: dict | None, attn_implementation: str, a
     kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     kwargs.setdefault("use_safetensors", True)
     # As in TRL's trainers: distributed training places each process's copy itself (`device_map="auto"` fails there).
-    if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+    if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED", "FSDP"]:
         kwargs["device_map"] = None
     return create_model_from_path(name, **kwargs)
 
