@@ -17,7 +17,14 @@ from typing import Any, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from .envs.base import EnvContractError
 from .records import Episode, Invocation
@@ -233,6 +240,11 @@ class RolloutEngine:
             Most contexts in one generation call; by default all live episodes go in one call.
         generation_kwargs (`dict`, *optional*):
             Extra keyword arguments for `model.generate` (e.g. `logits_processor`) with the `"hf"` backend.
+        share_prompt_prefill (`bool`, *optional*, defaults to `True`):
+            With the `"hf"` backend, encode each distinct context of a generation call once and give its KV cache to
+            every episode that has the same context (the `num_generations` episodes of a question at their first
+            turn), instead of encoding it once per episode. Same tokens and log-probs up to float rounding. The vLLM
+            backend gets the same from the engine's automatic prefix caching.
 
     Example:
 
@@ -266,6 +278,7 @@ class RolloutEngine:
         context_shrink: float = 0.5,
         generation_batch_size: int | None = None,
         generation_kwargs: dict[str, Any] | None = None,
+        share_prompt_prefill: bool = True,
     ):
         if backend not in _BACKENDS:
             raise ValueError(f"`backend` must be one of {_BACKENDS}, got {backend!r}.")
@@ -306,6 +319,8 @@ class RolloutEngine:
         self.context_shrink = context_shrink
         self.generation_batch_size = generation_batch_size
         self.generation_kwargs = dict(generation_kwargs or {})
+        self.share_prompt_prefill = share_prompt_prefill
+        self._shared_prefill_tokens = 0  # context tokens this rollout did not encode again (shared prompt prefill)
         self.eos_token_ids = self._default_eos_ids() if eos_token_ids is None else [int(t) for t in eos_token_ids]
         if not self.eos_token_ids:
             raise ValueError("No EOS token id found; pass `eos_token_ids` or give the tokenizer an `eos_token`.")
@@ -380,12 +395,17 @@ class RolloutEngine:
             `tuple[list[Episode], dict[str, float]]`: the episodes, record by record (episode ids `0..N-1`), and
             statistics: `num_episodes`, `num_turns` (model calls), `num_generated_tokens`, `num_prompt_tokens`,
             `num_context_truncations`, `num_truncated_outputs`, `num_failed_episodes` (of which
-            `num_prompt_too_long` and `num_env_errors`), `mean_reward` and `wall_time_s`.
+            `num_prompt_too_long` and `num_env_errors`), `num_shared_prefill_tokens` (context tokens not encoded again
+            because an identical context of the same call was, see `share_prompt_prefill`), `mean_reward` and
+            `wall_time_s`.
         """
         if num_generations < 1:
             raise ValueError(f"`num_generations` must be >= 1, got {num_generations}.")
         self._check_takeover(takeover, takeover_turn)
         start = time.perf_counter()
+        self._shared_prefill_tokens = 0
+        if takeover is not None:
+            takeover._shared_prefill_tokens = 0
         stats = dict.fromkeys(
             (
                 "num_episodes",
@@ -428,6 +448,9 @@ class RolloutEngine:
             for episode in episodes:
                 episode.info["takeover_turn"] = takeover_turn
         stats["num_episodes"] = len(episodes)
+        stats["num_shared_prefill_tokens"] = self._shared_prefill_tokens
+        if takeover is not None:
+            stats["num_shared_prefill_tokens"] += takeover._shared_prefill_tokens
         stats["mean_reward"] = sum(e.reward for e in episodes) / len(episodes) if episodes else 0.0
         stats["wall_time_s"] = time.perf_counter() - start
         return episodes, stats
@@ -701,6 +724,12 @@ class RolloutEngine:
         was_training = model.training
         model.eval()
         try:
+            if self.share_prompt_prefill and "cache" not in kwargs and "past_key_values" not in kwargs:
+                cache = self._prefill_repeated_contexts(
+                    input_ids.to(device), attention_mask.to(device), position_ids.to(device)
+                )
+                if cache is not None:
+                    kwargs["cache"] = cache
             out = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
@@ -715,3 +744,45 @@ class RolloutEngine:
         sequences = out.sequences[:, width:]  # (batch, num_generated)
         logprobs = recorder.finish(sequences[:, -1])  # (batch, num_generated)
         return list(zip(sequences.tolist(), logprobs.tolist(), strict=True))
+
+    @torch.no_grad()
+    def _prefill_repeated_contexts(
+        self, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, position_ids: torch.LongTensor
+    ) -> DynamicCache | None:
+        """
+        Encodes each distinct context of a left-padded batch once and returns a KV cache for the whole batch.
+
+        Identical contexts are identical rows (same tokens, same left padding). Every distinct row but its last token
+        is run through the model once; the cache is then indexed so that each row gets its twin's keys and values,
+        and `generate` only encodes the last token of every row before it samples. Returns `None` (nothing to
+        share) when every row is distinct or the rows are one token wide.
+
+        Args:
+            input_ids (`torch.LongTensor` of shape `(batch_size, width)`): the left-padded contexts.
+            attention_mask (`torch.LongTensor` of shape `(batch_size, width)`): 1 on real tokens.
+            position_ids (`torch.LongTensor` of shape `(batch_size, width)`): 0.. over each row's real tokens.
+
+        Returns:
+            `DynamicCache` or `None`: keys and values of the first `width - 1` columns, `batch_size` rows.
+        """
+        if input_ids.shape[1] < 2:
+            return None
+        distinct, inverse = torch.unique(input_ids, dim=0, return_inverse=True)  # (num_distinct, width), (batch_size,)
+        if len(distinct) == len(input_ids):
+            return None
+        # One representative row per distinct context (its mask and positions are its twins').
+        first = torch.full((len(distinct),), len(input_ids), dtype=torch.long, device=input_ids.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(len(input_ids), device=input_ids.device), "amin")
+        cache = DynamicCache(config=self.model.config)
+        self.model(
+            input_ids=input_ids[first, :-1],
+            attention_mask=attention_mask[first, :-1],
+            position_ids=position_ids[first, :-1],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache.batch_select_indices(inverse)  # (batch_size, ...) per layer: every row its twin's keys and values
+        saved = attention_mask[:, :-1].sum() - attention_mask[first, :-1].sum()
+        self._shared_prefill_tokens += int(saved)
+        return cache

@@ -77,19 +77,19 @@ from .model_card import build_model_card
 from .packing import PackedInvocationCollator
 from .records import Episode, Invocation
 from .rollout import RolloutEngine
-from .sharding import (
-    all_processes_agree,
-    check_strategy,
-    gathered_for_generation,
-    is_sharded,
-    prepare_frozen_model,
-)
 from .scoring import (
     TREE_ATTENTION_IMPLEMENTATIONS,
     action_hidden_states,
     action_logprobs_from_hidden,
     action_token_ids,
     gathered_lm_head,
+)
+from .sharding import (
+    all_processes_agree,
+    check_strategy,
+    gathered_for_generation,
+    is_sharded,
+    prepare_frozen_model,
 )
 
 
@@ -948,6 +948,10 @@ class MemOPDTrainer(_BaseTrainer):
         for key in ("num_context_truncations", "num_failed_episodes", "num_prompt_too_long", "num_truncated_outputs"):
             if key in rollout.stats:
                 metrics[f"rollout/{key.removeprefix('num_')}"].append(float(rollout.stats[key]))
+        if rollout.stats.get("num_prompt_tokens"):
+            # Share of the context tokens the rollout did not encode again (shared prompt prefill).
+            shared = rollout.stats.get("num_shared_prefill_tokens", 0) / rollout.stats["num_prompt_tokens"]
+            metrics["rollout/shared_prefill_fraction"].append(shared)
         for key, value in rollout.seconds.items():
             metrics[f"time/{key}"].append(value)
         generated = sum(len(inv.output_ids) for inv in invocations)

@@ -6,7 +6,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList
 
 from memopd_trl.envs.base import MemoryAgentEnv
 from memopd_trl.metrics import exact_match, qa_f1
@@ -147,6 +147,42 @@ def test_recorded_logprobs_match_a_fresh_forward_on_the_unpadded_invocation(
         assert len(inv.logprobs) == len(inv.output_ids) > 0
         expected = rescored_logprobs(model, inv, temperature)
         torch.testing.assert_close(torch.tensor(inv.logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama", "gpt2"])
+def test_shared_prompt_prefill_samples_what_one_prefill_per_episode_samples(
+    make_tiny_model, tiny_tokenizer, architecture, monkeypatch
+):
+    # The `num_generations` episodes of a question start from the same context: encoded once, its KV cache handed to
+    # every episode. Same seed, same sampled tokens, same recorded log-probs as encoding it once per episode (GPT-2's
+    # absolute positions catch a position error in the shared cache).
+    model = build_model(make_tiny_model, tiny_tokenizer, architecture, seed=3)
+
+    def play(share: bool):
+        engine = RolloutEngine(model, tiny_tokenizer, factory(max_turns=3), max_new_tokens=12, temperature=0.7,
+                               share_prompt_prefill=share)  # fmt: skip
+        torch.manual_seed(0)
+        return engine.rollout(RECORDS, num_generations=3)
+
+    (shared, shared_stats), (alone, alone_stats) = play(True), play(False)
+    first_contexts = [episode.invocations[0].input_ids for episode in shared[::3]]
+    assert shared_stats["num_shared_prefill_tokens"] == sum(2 * (len(ids) - 1) for ids in first_contexts)
+    assert alone_stats["num_shared_prefill_tokens"] == 0
+    pairs = [(a, b) for x, y in zip(shared, alone, strict=True) for a, b in zip(x.invocations, y.invocations, strict=True)]  # fmt: skip
+    assert len(pairs) == sum(e.num_turns for e in alone) == sum(e.num_turns for e in shared)
+    for a, b in pairs:
+        assert (a.input_ids, a.output_ids) == (b.input_ids, b.output_ids)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+    # A cache handed to the wrong episodes (each row its neighbour's twin) is caught by the comparison above.
+    original = DynamicCache.batch_select_indices
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", lambda self, idx: original(self, idx.roll(1)))
+    (wrong, _), first = play(True), [inv for episode in alone for inv in episode.invocations if inv.turn == 0]
+    wrong_first = [inv for episode in wrong for inv in episode.invocations if inv.turn == 0]
+    assert any(
+        a.output_ids != b.output_ids or max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) > 1e-3
+        for a, b in zip(wrong_first, first, strict=True)
+    )
 
 
 def test_batched_greedy_rollout_equals_one_record_at_a_time(tiny_model, tiny_tokenizer):

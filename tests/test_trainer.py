@@ -102,6 +102,8 @@ def test_one_step_updates_student_not_teacher(tmp_path, world, env_factory, make
         assert losses_logged(trainer, "loss/ppo")
     assert losses_logged(trainer, "time/teacher")
     assert bool(losses_logged(trainer, "time/reference")) == ("kl_coef" in settings), "the reference has its own time"
+    # The two episodes of a question share their first context: encoded once in the rollout.
+    assert 0 < losses_logged(trainer, "rollout/shared_prefill_fraction")[0] < 1
 
 
 def test_ppo_only_needs_no_teacher_and_learns_from_varied_rewards(tmp_path, world, make_tiny_model, tiny_tokenizer):
