@@ -21,6 +21,7 @@ from memopd_trl.tokenizer import build_tokenizer
 ROOT = Path(__file__).resolve().parent.parent
 TRAINING = ROOT / "tests" / "distributed" / "sharded_training.py"
 HEAD = ROOT / "tests" / "distributed" / "sharded_head.py"
+VLLM_SYNC = ROOT / "tests" / "distributed" / "sharded_vllm_sync.py"
 FSDP_CPU = ROOT / "examples" / "accelerate_configs" / "fsdp_cpu.yaml"
 ZERO3_CPU = ROOT / "examples" / "accelerate_configs" / "deepspeed_zero3_cpu.yaml"
 CASES = ("aligned", "persistent", "lora", "teacher_play")
@@ -98,6 +99,31 @@ def test_sharded_heads_give_the_whole_heads_losses(tmp_path, processes):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert all(f"[rank {rank}] OK" in output for rank in range(processes)), output[-4000:]
+
+
+# TRL's real `VLLMGeneration.sync_weights` (only the vLLM engine faked): every push gives the engine the student's
+# whole current weights (LoRA merged in), once each, and leaves the student as it was (see sharded_vllm_sync.py).
+@pytest.mark.parametrize(
+    ("launcher", "port", "distributed_type"),
+    [
+        (["--multi_gpu", "--num_processes", "2"], "29535", "MULTI_CPU"),
+        (["--config_file", str(FSDP_CPU)], "29536", "FSDP"),
+    ],
+    ids=["ddp", "fsdp2"],
+)
+def test_vllm_sync_pushes_the_whole_student(tmp_path, launcher, port, distributed_type):
+    output = _launch([*launcher, "--main_process_port", port, str(VLLM_SYNC)], tmp_path,
+                     MEMOPD_EXPECT_DISTRIBUTED_TYPE=distributed_type)  # fmt: skip
+    for case in ("plain", "lora"):
+        assert f"{case} under {distributed_type}: 3 pushes" in output
+
+
+@pytest.mark.parametrize("case", ["plain", "lora"])
+def test_vllm_sync_pushes_the_whole_student_under_zero3(tmp_path, case):
+    pytest.importorskip("deepspeed")  # one launch per case, as in test_zero3_reaches_the_ddp_weights
+    output = _launch(["--config_file", str(ZERO3_CPU), "--main_process_port", "29537", str(VLLM_SYNC), case], tmp_path,
+                     MEMOPD_EXPECT_DISTRIBUTED_TYPE="DEEPSPEED")  # fmt: skip
+    assert f"{case} under DEEPSPEED: 3 pushes" in output
 
 
 def _state(distributed_type, fsdp_version=2, num_processes=2):
