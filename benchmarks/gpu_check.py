@@ -114,6 +114,9 @@ def layouts(args, device) -> dict:
             "sdpa", [PaddedInvocationCollator()(by_length[i : i + 8]) for i in range(0, len(by_length), 8)]),
         f"packed, rows of {row}": (VARLEN_SDPA, [PackedInvocationCollator(row)(invocations)]),
         f"shared-prefix packed, rows of {row}": (VARLEN_SDPA, [PackedInvocationCollator(row, share_prefix=True)(invocations)]),
+        "packed, one row": (VARLEN_SDPA, [PackedInvocationCollator(None)(invocations)]),
+        "shared-prefix packed, one row (the trainer's layout)": (
+            VARLEN_SDPA, [PackedInvocationCollator(None, share_prefix=True)(invocations)]),
     }  # fmt: skip
     if is_flash_attn_2_available() and device.type == "cuda":
         candidates[f"packed, rows of {row}, flash_attention_2"] = (

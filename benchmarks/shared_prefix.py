@@ -9,8 +9,10 @@ Two sets of invocations:
   prompt of system prompt + task, then a memory and an observation per turn, a short action), random token ids.
 
 For each, every layout scores the same invocations: padded (one batch), length-bucketed padded micro-batches,
-plain packing and shared-prefix packing (`memopd_sdpa_varlen`, rows of `--row_tokens`), and shared-prefix packing
-under `sdpa` with its dense tree mask. It reports the tokens each layout processes, the teacher forward (no grad)
+plain packing and shared-prefix packing (`memopd_sdpa_varlen`) in one row (the trainer's layout with padding-free
+attention) and in rows of `--row_tokens`, shared-prefix packing under `sdpa` with its dense tree mask, and two
+diagnostics that forward the packings in pieces (plain packing `--row_tokens` tokens at a time, shared-prefix
+packing one question at a time), which separate the layout from the size of one forward. It reports the tokens each layout processes, the teacher forward (no grad)
 and the student forward + backward, medians of `--repeats` interleaved repeats on the main job's model sizes
 (random weights: time does not depend on them), and the persistent control (plain packing of the flattened
 episodes, teacher forward) that aligned scoring is compared with.
@@ -94,21 +96,44 @@ def synthetic_invocations(args: argparse.Namespace, vocab_size: int) -> list[Inv
                 context = prompt + memory + observation
                 action = ids(length(10, 40))
                 observation = ids(length(40, 120))
-                invocations.append(Invocation(context, action, episode_id=episode, turn=turn, observation_ids=observation))
+                invocations.append(
+                    Invocation(context, action, episode_id=episode, turn=turn, observation_ids=observation)
+                )
             episode += 1
     return invocations
 
 
-def layouts(args, invocations: list[Invocation]) -> list[tuple[str, str, list[dict]]]:
-    """(name, attention implementation, batches that together hold every invocation once)."""
+def chunks(invocations: list[Invocation], budget: int) -> list[list[Invocation]]:
+    """Consecutive invocations in chunks of at most `budget` rebuilt tokens (one invocation at least)."""
+    out: list[list[Invocation]] = [[]]
+    for inv in invocations:
+        if out[-1] and sum(i.num_tokens for i in out[-1]) + inv.num_tokens > budget:
+            out.append([])
+        out[-1].append(inv)
+    return out
+
+
+def layouts(args, invocations: list[Invocation], generations: int) -> list[tuple[str, str, list[dict]]]:
+    """(name, attention implementation, batches that together hold every invocation once). The first four are the
+    references of the tables (padded; length-bucketed; plain and shared-prefix packing as the trainer lays them out
+    with padding-free attention, one row); the last two are diagnostics: the same packings forwarded in pieces."""
     by_length = sorted(invocations, key=lambda inv: inv.num_tokens)
     size, rows = args.bucket_size, args.row_tokens
+    questions: dict[int, list[Invocation]] = {}
+    for inv in invocations:  # episodes are numbered question by question, `generations` per question
+        questions.setdefault(inv.episode_id // generations, []).append(inv)
     return [
         ("padded, one batch", "sdpa", [PaddedInvocationCollator()(invocations)]),
         (
             f"length-bucketed padded, micro-batches of {size}",
             "sdpa",
             [PaddedInvocationCollator()(by_length[i : i + size]) for i in range(0, len(by_length), size)],
+        ),
+        ("plain packing, one row", VARLEN_SDPA, [PackedInvocationCollator(None)(invocations)]),
+        (
+            "shared-prefix packing, one row",
+            VARLEN_SDPA,
+            [PackedInvocationCollator(None, share_prefix=True)(invocations)],
         ),
         (f"plain packing, rows of {rows}", VARLEN_SDPA, [PackedInvocationCollator(rows)(invocations)]),
         (
@@ -120,6 +145,16 @@ def layouts(args, invocations: list[Invocation]) -> list[tuple[str, str, list[di
             f"shared-prefix packing, rows of {args.dense_row_tokens}, sdpa tree mask",
             "sdpa",
             [PackedInvocationCollator(args.dense_row_tokens, share_prefix=True)(invocations)],
+        ),
+        (
+            f"plain packing, one forward per {rows} tokens (diagnostic)",
+            VARLEN_SDPA,
+            [PackedInvocationCollator(None)(chunk) for chunk in chunks(invocations, rows)],
+        ),
+        (
+            "shared-prefix packing, one forward per question (diagnostic)",
+            VARLEN_SDPA,
+            [PackedInvocationCollator(None, share_prefix=True)(group) for group in questions.values()],
         ),
     ]
 
@@ -133,16 +168,16 @@ def teacher_step(model, batch: dict) -> None:
         action_logprobs(model, batch)
 
 
-def measure(args, invocations: list[Invocation], vocab_size: int) -> dict:
+def measure(args, invocations: list[Invocation], vocab_size: int, generations: int) -> dict:
     def model(hidden, layers):
         return build_tiny_model(
             vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2
         ).train()
 
     student, teacher = model(args.student_hidden, args.layers), model(args.teacher_hidden, args.layers)
-    candidates = layouts(args, invocations)
-    persistent = ("persistent control, plain packing", VARLEN_SDPA,
-                  [PackedInvocationCollator(args.row_tokens, history="persistent")(invocations)])  # fmt: skip
+    candidates = layouts(args, invocations, generations)
+    persistent = ("persistent control, plain packing, one row", VARLEN_SDPA,
+                  [PackedInvocationCollator(None, history="persistent")(invocations)])  # fmt: skip
     runs = [("teacher", teacher, teacher_step, c) for c in [*candidates, persistent]]
     runs += [("student", student, student_step, c) for c in candidates]
     times = {(role, c[0]): [] for role, _, _, c in runs}
@@ -216,7 +251,8 @@ def main():
     parser.add_argument("--num_generations", type=int, default=4, help="Episodes per question (recorded rollout).")
     parser.add_argument("--synthetic_questions", type=int, default=4, help="Questions of the synthetic mix.")
     parser.add_argument("--bucket_size", type=int, default=16, help="Invocations per length-bucketed micro-batch.")
-    parser.add_argument("--row_tokens", type=int, default=4096, help="max_tokens_per_row of the varlen layouts.")
+    parser.add_argument("--row_tokens", type=int, default=4096,
+                        help="Row budget of the varlen layouts with rows (the trainer's one-row layout is also run).")  # fmt: skip
     parser.add_argument("--dense_row_tokens", type=int, default=1024, help="Row budget of the sdpa tree-mask layout.")
     parser.add_argument("--student_hidden", type=int, default=128, help="Student width (the main job's).")
     parser.add_argument("--teacher_hidden", type=int, default=128, help="Teacher width (the main job's).")
@@ -231,8 +267,10 @@ def main():
     recorded = record_invocations(args)
     vocab_size = args.vocab_size or max(max(inv.input_ids + inv.output_ids) for inv in recorded) + 1
     results = {
-        "recorded rollouts of the main job": measure(args, recorded, vocab_size),
-        "synthetic, 6-turn episodes x 8 generations": measure(args, synthetic_invocations(args, vocab_size), vocab_size),
+        "recorded rollouts of the main job": measure(args, recorded, vocab_size, args.num_generations),
+        "synthetic, 6-turn episodes x 8 generations": measure(
+            args, synthetic_invocations(args, vocab_size), vocab_size, 8
+        ),
     }
     command = "python benchmarks/shared_prefix.py " + " ".join(sys.argv[1:])
     lines = [

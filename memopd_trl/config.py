@@ -164,8 +164,12 @@ class MemOPDConfig(_BaseConfig):
 
         > Parameters that control packing and scoring
 
-        max_tokens_per_row (`int`, *optional*, defaults to `4096`):
-            Token budget of one packed row; whole invocations are packed into rows, never split.
+        max_tokens_per_row (`int`, *optional*):
+            Token budget of one packed row; whole invocations are packed into rows, never split. `None` (default):
+            one row holding the whole batch when every model that scores it runs padding-free attention
+            (`"memopd_sdpa_varlen"`, flash-attention: cost follows the invocations, so rows would only add padding
+            and split shared-prefix trees), else rows of 4096 tokens (`sdpa`/`eager` pay a dense `width x width`
+            mask per row).
         share_prefix (`bool`, *optional*, defaults to `True`):
             Shared-prefix packing: invocations that begin with the same tokens (every turn of every episode of one
             question shares the system prompt and the task) are laid out as a tree, the prefix scored once, exactly.
@@ -389,8 +393,13 @@ class MemOPDConfig(_BaseConfig):
     )
 
     # Packing and scoring
-    max_tokens_per_row: int = field(
-        default=4096, metadata={"help": "Token budget of one packed row (whole invocations, never split)."}
+    max_tokens_per_row: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget of one packed row (whole invocations, never split). None: one row holding the whole "
+            "batch when every scoring model runs padding-free attention (memopd_sdpa_varlen, flash-attention), else "
+            "rows of 4096 tokens."
+        },
     )
     share_prefix: bool = field(
         default=True,
@@ -482,11 +491,12 @@ class MemOPDConfig(_BaseConfig):
             "max_prompt_length",
             "num_generations",
             "num_iterations",
-            "max_tokens_per_row",
             "logit_chunk_size",
         ):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
+        if self.max_tokens_per_row is not None and self.max_tokens_per_row < 1:
+            bad("max_tokens_per_row", "None or >= 1")
         longest_call = self.max_prompt_length + self.max_new_tokens
         if self.vllm_max_model_length is not None and self.vllm_max_model_length < longest_call:
             bad(

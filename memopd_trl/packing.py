@@ -405,11 +405,12 @@ class PackedInvocationCollator(_InvocationCollator):
     boundary. Score the batch with [`~memopd_trl.scoring.action_logprobs`], which runs the packed forward correctly.
 
     Parameters:
-        max_tokens_per_row (`int`, *optional*, defaults to `4096`):
+        max_tokens_per_row (`int` or `None`, *optional*, defaults to `4096`):
             Room in one row. An invocation longer than this gets a row of its own. With transformers' `sdpa`/`eager`
             attention a packed row pays a dense `width x width` mask, so a value near the longest invocation is
             fastest; with flash-attention or `"memopd_sdpa_varlen"` (see [`~memopd_trl.scoring.varlen_sdpa_attention`])
-            attention follows the sequences, and wider (fuller) rows are faster (docs/benchmarks.md).
+            attention follows the sequences, and wider (fuller) rows are faster (docs/benchmarks.md). `None` lays
+            out everything in one row (TRL's padding-free layout): no row padding, and no tree is split.
         pad_token_id (`int`, *optional*, defaults to `0`):
             Token id written into row padding.
         max_model_length (`int`, *optional*):
@@ -468,7 +469,7 @@ class PackedInvocationCollator(_InvocationCollator):
 
     def __init__(
         self,
-        max_tokens_per_row: int = 4096,
+        max_tokens_per_row: int | None = 4096,
         pad_token_id: int = 0,
         max_model_length: int | None = None,
         history: str = "aligned",
@@ -476,8 +477,8 @@ class PackedInvocationCollator(_InvocationCollator):
         share_prefix: bool = False,
         min_shared_prefix_length: int = 16,
     ):
-        if max_tokens_per_row < 1:
-            raise ValueError(f"`max_tokens_per_row` must be a positive integer, got {max_tokens_per_row}.")
+        if max_tokens_per_row is not None and max_tokens_per_row < 1:
+            raise ValueError(f"`max_tokens_per_row` must be a positive integer or None, got {max_tokens_per_row}.")
         if min_shared_prefix_length < 1:
             raise ValueError(f"`min_shared_prefix_length` must be a positive integer, got {min_shared_prefix_length}.")
         super().__init__(pad_token_id, max_model_length, history, pad_to_multiple_of)
@@ -486,11 +487,14 @@ class PackedInvocationCollator(_InvocationCollator):
         self.min_shared_prefix_length = min_shared_prefix_length
 
     def _rows(self, sequences: list[_Sequence]) -> list[list[_Group]]:
+        capacity = self.max_tokens_per_row or sum(map(len, sequences))
         if self.share_prefix:
-            groups = shared_prefix_groups(sequences, self.min_shared_prefix_length, self.max_tokens_per_row)
+            groups = shared_prefix_groups(sequences, self.min_shared_prefix_length, capacity)
         else:
             groups = [_Group([s]) for s in range(len(sequences))]
-        bins = balanced_rows([group.length(sequences) for group in groups], self.max_tokens_per_row)
+        if self.max_tokens_per_row is None:
+            return [groups]
+        bins = balanced_rows([group.length(sequences) for group in groups], capacity)
         return [[groups[g] for g in row] for row in bins]
 
     def __call__(self, invocations: list[Invocation]) -> dict[str, torch.Tensor | int | float]:

@@ -79,6 +79,7 @@ from .records import Episode, Invocation
 from .rollout import RolloutEngine
 from .scoring import (
     TREE_ATTENTION_IMPLEMENTATIONS,
+    VARLEN_ATTENTION_IMPLEMENTATIONS,
     action_hidden_states,
     action_logprobs_from_hidden,
     action_token_ids,
@@ -98,6 +99,8 @@ if is_peft_available():
 
 
 logger = logging.get_logger(__name__)
+# Row budget of packed batches scored with a dense mask (`sdpa`, `eager`) when `max_tokens_per_row` is None.
+_DENSE_ROW_TOKENS = 4096
 
 
 _PAPER = {
@@ -315,14 +318,23 @@ class MemOPDTrainer(_BaseTrainer):
                 "share_prefix: packing whole invocations, because not every scoring model runs one of %s attention.",
                 TREE_ATTENTION_IMPLEMENTATIONS,
             )
+        # Padding-free attention costs what the invocations cost, however they are laid out: one row then (no row
+        # padding, no split tree). Dense masks cost `width ** 2` per row: rows of a bounded width.
+        padding_free = all(
+            self.accelerator.unwrap_model(m).config._attn_implementation in VARLEN_ATTENTION_IMPLEMENTATIONS
+            for m in scorers
+        )
+        row_budget = args.max_tokens_per_row
+        if row_budget is None:
+            row_budget = None if padding_free else _DENSE_ROW_TOKENS
         self.collator = PackedInvocationCollator(
-            max_tokens_per_row=args.max_tokens_per_row,
+            max_tokens_per_row=row_budget,
             pad_token_id=processing_class.pad_token_id,
             max_model_length=_max_length(self.model),
             share_prefix=self.share_prefix,
         )
         self.teacher_collator = PackedInvocationCollator(
-            max_tokens_per_row=args.max_tokens_per_row,
+            max_tokens_per_row=row_budget,
             pad_token_id=processing_class.pad_token_id,
             max_model_length=(
                 _max_length(self.accelerator.unwrap_model(self.teacher_model)) if self.teacher_model is not None else None
@@ -335,7 +347,7 @@ class MemOPDTrainer(_BaseTrainer):
         self._audited: tuple[int | None, int | None] = (None, None)  # (audit period, step) of the last audit
         if self.teacher_model is not None and args.teacher_scoring == "aligned" and args.audit_steps > 0:
             self.audit_collator = PackedInvocationCollator(
-                max_tokens_per_row=args.max_tokens_per_row,
+                max_tokens_per_row=row_budget,
                 pad_token_id=processing_class.pad_token_id,
                 max_model_length=self.teacher_collator.max_model_length,
                 history="persistent",

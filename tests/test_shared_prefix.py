@@ -101,6 +101,22 @@ def test_a_tree_that_outgrows_a_row_is_split_with_its_prefix_repeated(invocation
     assert batch["num_real_tokens"] + batch["num_tokens_saved"] == sum(inv.num_tokens for inv in invocations)
 
 
+@pytest.mark.parametrize("share_prefix", [False, True], ids=["plain", "shared"])
+def test_no_row_budget_lays_out_one_row_without_padding_and_scores_exactly(invocations, share_prefix):
+    # `max_tokens_per_row=None`: everything in one row (TRL's padding-free layout), no tree split; scores unchanged.
+    one_row = PackedInvocationCollator(max_tokens_per_row=None, share_prefix=share_prefix)(invocations)
+    rows = PackedInvocationCollator(max_tokens_per_row=64, share_prefix=share_prefix)(invocations)
+    assert one_row["input_ids"].shape == (1, one_row["num_real_tokens"]) and one_row["fill"] == 1.0
+    assert rows["input_ids"].shape[0] > 1
+    if share_prefix:
+        assert one_row["num_tokens_saved"] == 3 * 11 * 21 > rows["num_tokens_saved"]
+    m = model("qwen2", VARLEN_SDPA)
+    with torch.no_grad():
+        alone = full_logits_action_logprobs(m, invocations)
+        torch.testing.assert_close(action_logprobs(m, one_row), alone, atol=ATOL, rtol=0)
+        torch.testing.assert_close(action_logprobs(m, rows), alone, atol=ATOL, rtol=0)
+
+
 def test_balanced_rows_use_no_more_rows_and_no_wider_rows_than_first_fit_decreasing():
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):

@@ -18,6 +18,7 @@ import memopd_trl.trainer as trainer_module
 from memopd_trl import MemOPDConfig, MemOPDTrainer
 from memopd_trl.envs.base import MemoryAgentEnv, StepResult
 from memopd_trl.envs.hotpot import HotpotQAEnv
+from memopd_trl.scoring import VARLEN_SDPA
 
 
 class LengthRewardEnv(MemoryAgentEnv):
@@ -225,7 +226,7 @@ def test_missing_env_teacher_or_dataset_are_clear_errors(tmp_path, world, env_fa
         ("beta", 1.5, "`beta` must be in"),
         ("teacher_scoring", "flat", "`teacher_scoring` must be one of"),
         ("num_generations", 1, "num_generations"),
-        ("max_tokens_per_row", 0, "`max_tokens_per_row` must be >= 1"),
+        ("max_tokens_per_row", 0, "`max_tokens_per_row` must be None or >= 1"),
         ("epsilon", -0.1, "`epsilon` must be >= 0"),
         ("top_p", 0.0, "`top_p` must be in"),
         ("memory_policy", "forgetful", "`memory_policy` must be one of"),
@@ -289,6 +290,38 @@ def test_every_packed_forward_disables_cache_and_mask(
             assert not bool(mask[:, 0][:, causal].all()), "the tree mask must block what a causal mask would not"
         assert trainer.share_prefix and any(m["packing/shared_fraction"] > 0.2 for m in trainer.state.log_history if "packing/shared_fraction" in m)
     assert any(bool((pos.diff(dim=-1) != 1).any()) for _, _, pos in seen), "no row held several invocations"
+
+
+@pytest.mark.parametrize(
+    ("attn_implementation", "max_tokens_per_row", "one_row"),
+    [(VARLEN_SDPA, None, True), ("sdpa", None, False), (VARLEN_SDPA, 64, False)],
+    ids=["padding-free-default", "dense-default", "padding-free-set"],
+)
+def test_row_budget_follows_the_attention_unless_set(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, attn_implementation, max_tokens_per_row, one_row
+):
+    # Padding-free attention costs the invocations however they are laid out: one row, no padding, no split tree.
+    # A dense mask costs width ** 2 per row: rows of 4096. A budget that is set is kept.
+    models = [make_tiny_model(seed=seed) for seed in (0, 1)]
+    for m in models:
+        m.set_attn_implementation(attn_implementation)
+    trainer = MemOPDTrainer(
+        model=models[0],
+        teacher_model=models[1],
+        args=make_config(tmp_path, max_tokens_per_row=max_tokens_per_row),
+        train_dataset=world.records,
+        env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )
+    expected = None if one_row else (max_tokens_per_row or 4096)
+    assert trainer.collator.max_tokens_per_row == trainer.teacher_collator.max_tokens_per_row == expected
+    trainer.train()
+    rows = losses_logged(trainer, "packing/rows")
+    assert rows, "packing/rows is logged at every step"
+    if one_row:
+        assert set(rows) == {1.0}
+    if max_tokens_per_row == 64:
+        assert min(rows) > 1.0, "a 64-token budget splits this batch into several rows"
 
 
 def test_save_reload_gives_same_outputs_and_writes_model_card(
