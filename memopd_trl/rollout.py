@@ -725,9 +725,17 @@ class RolloutEngine:
         model.eval()
         try:
             if self.share_prompt_prefill and "cache" not in kwargs and "past_key_values" not in kwargs:
-                cache = self._prefill_repeated_contexts(
-                    input_ids.to(device), attention_mask.to(device), position_ids.to(device)
-                )
+                try:
+                    cache = self._prefill_repeated_contexts(
+                        input_ids.to(device), attention_mask.to(device), position_ids.to(device)
+                    )
+                except TypeError as error:  # a forward without transformers' `cache` / `logits_to_keep` arguments
+                    warnings.warn(
+                        f"share_prompt_prefill is turned off: the model's forward does not take a KV cache as "
+                        f"transformers' models do ({error}); every context is encoded on its own.",
+                        stacklevel=2,
+                    )
+                    self.share_prompt_prefill, cache = False, None
                 if cache is not None:
                     kwargs["cache"] = cache
             out = model.generate(

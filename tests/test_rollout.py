@@ -185,6 +185,31 @@ def test_shared_prompt_prefill_samples_what_one_prefill_per_episode_samples(
     )
 
 
+def test_shared_prompt_prefill_turns_itself_off_for_a_forward_that_cannot_take_it(make_tiny_model, tiny_tokenizer):
+    base = make_tiny_model(seed=3)
+
+    class NoLogitsToKeep(type(base)):  # a model whose forward takes no `logits_to_keep`, as some custom models
+        def forward(self, *args, **kwargs):
+            if "logits_to_keep" in kwargs:
+                raise TypeError("forward() got an unexpected keyword argument 'logits_to_keep'")
+            return super().forward(*args, **kwargs)
+
+    model = NoLogitsToKeep(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    engine = RolloutEngine(model, tiny_tokenizer, factory(max_turns=2), max_new_tokens=8, temperature=0.7)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="share_prompt_prefill is turned off"):
+        episodes, stats = engine.rollout(RECORDS[:2], num_generations=2)
+    assert not engine.share_prompt_prefill and stats["num_shared_prefill_tokens"] == 0
+    alone = RolloutEngine(base, tiny_tokenizer, factory(max_turns=2), max_new_tokens=8, temperature=0.7,
+                          share_prompt_prefill=False)  # fmt: skip
+    torch.manual_seed(0)
+    expected, _ = alone.rollout(RECORDS[:2], num_generations=2)
+    assert [[i.output_ids for i in e.invocations] for e in episodes] == [
+        [i.output_ids for i in e.invocations] for e in expected
+    ]
+
+
 def test_batched_greedy_rollout_equals_one_record_at_a_time(tiny_model, tiny_tokenizer):
     engine = RolloutEngine(tiny_model, tiny_tokenizer, factory(max_turns=3), max_new_tokens=10)
     batched, _ = engine.rollout(RECORDS, greedy=True)
