@@ -324,6 +324,32 @@ def test_row_budget_follows_the_attention_unless_set(
         assert min(rows) > 1.0, "a 64-token budget splits this batch into several rows"
 
 
+def test_activation_checkpointing_gives_the_same_update(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
+    # Large batches are scored in one forward: checkpointing is how a user bounds its activations (docs/scaling.md).
+    # It must not change the update: same loss and same weights after a step as without it.
+    results = []
+    for checkpointing in (False, True):
+        student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
+        for m in (student, teacher):
+            m.set_attn_implementation(VARLEN_SDPA)
+        trainer = MemOPDTrainer(
+            model=student,
+            teacher_model=teacher,
+            args=make_config(tmp_path / str(checkpointing), activation_checkpointing=checkpointing),
+            train_dataset=world.records,
+            env_factory=env_factory,
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train()
+        assert student.is_activation_checkpointing == checkpointing
+        results.append((losses_logged(trainer, "loss/distill"), params_of(student)))
+    (plain_loss, plain_weights), (checkpointed_loss, checkpointed_weights) = results
+    assert changed(plain_weights, make_tiny_model(seed=0)), "the step must move the weights for the check to mean much"
+    assert plain_loss and plain_loss == pytest.approx(checkpointed_loss, rel=1e-5)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(checkpointed_weights[name], value, atol=1e-6, rtol=1e-5)
+
+
 def test_save_reload_gives_same_outputs_and_writes_model_card(
     tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
 ):
