@@ -10,7 +10,11 @@ Sized for one H200 in under 8 minutes. It prints one JSON object per section (an
 2. **layouts**: teacher forward (no grad) and student forward + backward, bf16, Qwen2.5-0.5B-shaped random weights,
    `--invocations` invocations of 300-3000 tokens (questions x 8 generations, each question's calls sharing its
    prompt), laid out padded (micro-batches), length-bucketed padded, packed and shared-prefix packed;
-3. **trainer**: one `MemOPDTrainer` step of tiny random models on the GPU, with shared-prefix packing.
+3. **trainer**: one `MemOPDTrainer` step of tiny random models on the GPU, with shared-prefix packing;
+4. **rollout**: one generation call of 4 questions x 8 episodes whose first contexts (1000-1250 tokens) repeat
+   within each question, 32 new tokens, Qwen2.5-0.5B-shaped random weights in bf16, with the shared prompt prefill
+   (`RolloutEngine(share_prompt_prefill=True)`) and without: times and whether the sampled tokens agree (in bf16
+   a token may differ where the two batch shapes round a logit differently; fp32 agrees on CPU).
 
 On the GPU machine (torch with CUDA; trl, datasets and bm25s from wheels):
 
@@ -173,13 +177,48 @@ def trainer_step(args, device) -> dict:
             "ok": bool(torch.isfinite(torch.tensor(logged["loss"])))}  # fmt: skip
 
 
+def rollout_prefill(args, device) -> dict:
+    from memopd_trl import RolloutEngine
+    from memopd_trl.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(["a b c d e f g h"], vocab_size=300)
+    vocab, sizes = len(tokenizer), dict(hidden_size=64, num_hidden_layers=2) if args.smoke else QWEN_05B
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = build_tiny_model(vocab, dtype=dtype, pad_token_id=tokenizer.pad_token_id, **sizes).to(device).eval()
+    generator = torch.Generator().manual_seed(0)
+    allowed = torch.tensor([t for t in range(vocab) if t not in set(tokenizer.all_special_ids)])
+    low = 64 if args.smoke else 1000
+    contexts = []
+    for _ in range(4):
+        length = low + int(torch.randint(0, low // 4 + 1, (1,), generator=generator))
+        contexts += [allowed[torch.randint(0, len(allowed), (length,), generator=generator)].tolist()] * 8
+    new_tokens = 8 if args.smoke else 32
+    engines = {share: RolloutEngine(model, tokenizer, lambda: None, max_new_tokens=new_tokens, max_prompt_length=4 * low,
+                                    eos_token_ids=[vocab + 1], share_prompt_prefill=share)
+               for share in (False, True)}  # fmt: skip
+    times, outputs = {False: [], True: []}, {}
+    for _ in range(1 if args.smoke else args.repeats):
+        for share, engine in engines.items():
+            torch.manual_seed(0)
+            sync(device)
+            start = time.perf_counter()
+            outputs[share] = engine._hf_generate(contexts, [()] * len(contexts), greedy=False)
+            sync(device)
+            times[share].append(time.perf_counter() - start)
+    same = [o[0] for o in outputs[True]] == [o[0] for o in outputs[False]]
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    return {"section": "rollout", "contexts": len(contexts), "context_tokens": sum(map(len, contexts)),
+            "new_tokens": new_tokens, "dtype": str(dtype), "seconds_per_episode_prefill": off,
+            "seconds_shared_prefill": on, "speedup": off / on, "same_sampled_tokens": same}  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.json", help="Where to write the sections' results.")
     parser.add_argument("--invocations", type=int, default=256, help="Invocations of the layout timings.")
     parser.add_argument("--repeats", type=int, default=3, help="Interleaved repeats of the layout timings.")
     parser.add_argument("--smoke", action="store_true", help="Toy sizes on any device (checks the script).")
-    parser.add_argument("--sections", nargs="+", default=["alignment", "layouts", "trainer"])
+    parser.add_argument("--sections", nargs="+", default=["alignment", "layouts", "trainer", "rollout"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     environment = {"section": "environment", "torch": torch.__version__, "device": str(device),
@@ -189,7 +228,8 @@ def main():
     results = [environment]
     for name in args.sections:
         start = time.perf_counter()
-        result = {"alignment": alignment, "layouts": layouts, "trainer": trainer_step}[name](args, device)
+        sections = {"alignment": alignment, "layouts": layouts, "trainer": trainer_step, "rollout": rollout_prefill}
+        result = sections[name](args, device)
         result["wall_seconds"] = time.perf_counter() - start
         print(json.dumps(result), flush=True)
         results.append(result)

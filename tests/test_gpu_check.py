@@ -19,7 +19,8 @@ def test_gpu_check_runs_every_section_at_toy_sizes(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sections = {entry["section"]: entry for entry in json.loads(out.read_text())}
-    assert set(sections) == {"environment", "alignment", "layouts", "trainer"}
+    assert set(sections) == {"environment", "alignment", "layouts", "trainer", "rollout"}
+    assert sections["rollout"]["same_sampled_tokens"] and sections["rollout"]["seconds_shared_prefill"] > 0
     fp32 = [r for r in sections["alignment"]["results"] if r["dtype"] == "float32"]
     assert {(r["attn"], r["shared"]) for r in fp32} >= {("sdpa", True), ("memopd_sdpa_varlen", True)}
     assert all(r["max_abs"] <= 1e-4 for r in fp32)
