@@ -12,10 +12,10 @@ For each, every layout scores the same invocations: padded (one batch), length-b
 plain packing and shared-prefix packing (`memopd_sdpa_varlen`) in one row (the trainer's layout with padding-free
 attention) and in rows of `--row_tokens`, shared-prefix packing under `sdpa` with its dense tree mask, and two
 diagnostics that forward the packings in pieces (plain packing `--row_tokens` tokens at a time, shared-prefix
-packing one question at a time), which separate the layout from the size of one forward. It reports the tokens each layout processes, the teacher forward (no grad)
-and the student forward + backward, medians of `--repeats` interleaved repeats on the main job's model sizes
-(random weights: time does not depend on them), and the persistent control (plain packing of the flattened
-episodes, teacher forward) that aligned scoring is compared with.
+packing one question at a time), which separate the layout from the size of one forward. It reports the tokens
+each layout processes, the teacher forward (no grad) and the student forward + backward, medians of `--repeats`
+interleaved repeats on the main job's model sizes (random weights: time does not depend on them), and the persistent
+control (plain packing of the flattened episodes, teacher forward) that aligned scoring is compared with.
 
     python benchmarks/shared_prefix.py --setup_dir outputs/hotpot --write-docs
 """
@@ -106,10 +106,13 @@ def synthetic_invocations(args: argparse.Namespace, vocab_size: int) -> list[Inv
 def chunks(invocations: list[Invocation], budget: int) -> list[list[Invocation]]:
     """Consecutive invocations in chunks of at most `budget` rebuilt tokens (one invocation at least)."""
     out: list[list[Invocation]] = [[]]
+    filled = 0
     for inv in invocations:
-        if out[-1] and sum(i.num_tokens for i in out[-1]) + inv.num_tokens > budget:
+        if out[-1] and filled + inv.num_tokens > budget:
             out.append([])
+            filled = 0
         out[-1].append(inv)
+        filled += inv.num_tokens
     return out
 
 
