@@ -9,13 +9,12 @@ Two sets of invocations:
   prompt of system prompt + task, then a memory and an observation per turn, a short action), random token ids.
 
 For each, every layout scores the same invocations: padded (one batch), length-bucketed padded micro-batches,
-plain packing and shared-prefix packing (`memopd_sdpa_varlen`) in one row (the trainer's layout with padding-free
-attention) and in rows of `--row_tokens`, shared-prefix packing under `sdpa` with its dense tree mask, and two
-diagnostics that forward the packings in pieces (plain packing `--row_tokens` tokens at a time, shared-prefix
-packing one question at a time), which separate the layout from the size of one forward. It reports the tokens
+plain packing and shared-prefix packing (`memopd_sdpa_varlen`) in one row and in rows of `--row_tokens` (one forward
+for all rows, and one forward per row, as the trainer runs them), shared-prefix packing under `sdpa` with its dense
+tree mask, and a diagnostic that forwards the shared-prefix packing one question at a time. It reports the tokens
 each layout processes, the teacher forward (no grad) and the student forward + backward, medians of `--repeats`
-interleaved repeats on the main job's model sizes (random weights: time does not depend on them), and the persistent
-control (plain packing of the flattened episodes, teacher forward) that aligned scoring is compared with.
+interleaved repeats (random weights: time does not depend on them; by default the main job's model sizes), and the
+persistent control (plain packing of the flattened episodes, teacher forward) that aligned scoring is compared with.
 
     python benchmarks/shared_prefix.py --setup_dir outputs/hotpot --write-docs
 """
@@ -38,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memopd_trl.modeling import build_tiny_model  # noqa: E402
-from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator  # noqa: E402
+from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, split_rows  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import VARLEN_SDPA, action_logprobs  # noqa: E402
 
@@ -103,23 +102,10 @@ def synthetic_invocations(args: argparse.Namespace, vocab_size: int) -> list[Inv
     return invocations
 
 
-def chunks(invocations: list[Invocation], budget: int) -> list[list[Invocation]]:
-    """Consecutive invocations in chunks of at most `budget` rebuilt tokens (one invocation at least)."""
-    out: list[list[Invocation]] = [[]]
-    filled = 0
-    for inv in invocations:
-        if out[-1] and filled + inv.num_tokens > budget:
-            out.append([])
-            filled = 0
-        out[-1].append(inv)
-        filled += inv.num_tokens
-    return out
-
-
 def layouts(args, invocations: list[Invocation], generations: int) -> list[tuple[str, str, list[dict]]]:
     """(name, attention implementation, batches that together hold every invocation once). The first four are the
-    references of the tables (padded; length-bucketed; plain and shared-prefix packing as the trainer lays them out
-    with padding-free attention, one row); the last two are diagnostics: the same packings forwarded in pieces."""
+    references of the tables (padded; length-bucketed; plain and shared-prefix packing in one row); the last is a
+    diagnostic: the shared-prefix packing forwarded one question at a time."""
     by_length = sorted(invocations, key=lambda inv: inv.num_tokens)
     size, rows = args.bucket_size, args.row_tokens
     questions: dict[int, list[Invocation]] = {}
@@ -145,14 +131,19 @@ def layouts(args, invocations: list[Invocation], generations: int) -> list[tuple
             [PackedInvocationCollator(rows, share_prefix=True)(invocations)],
         ),
         (
-            f"shared-prefix packing, rows of {args.dense_row_tokens}, sdpa tree mask",
+            f"shared-prefix packing, rows of {args.dense_row_tokens}, sdpa tree mask, one forward per row",
             "sdpa",
-            [PackedInvocationCollator(args.dense_row_tokens, share_prefix=True)(invocations)],
+            split_rows(PackedInvocationCollator(args.dense_row_tokens, share_prefix=True)(invocations)),
         ),
         (
-            f"plain packing, one forward per {rows} tokens (diagnostic)",
+            f"plain packing, rows of {rows}, one forward per row",
             VARLEN_SDPA,
-            [PackedInvocationCollator(None)(chunk) for chunk in chunks(invocations, rows)],
+            split_rows(PackedInvocationCollator(rows)(invocations)),
+        ),
+        (
+            f"shared-prefix packing, rows of {rows}, one forward per row",
+            VARLEN_SDPA,
+            split_rows(PackedInvocationCollator(rows, share_prefix=True)(invocations)),
         ),
         (
             "shared-prefix packing, one forward per question (diagnostic)",
@@ -174,7 +165,7 @@ def teacher_step(model, batch: dict) -> None:
 def measure(args, invocations: list[Invocation], vocab_size: int, generations: int) -> dict:
     def model(hidden, layers):
         return build_tiny_model(
-            vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2
+            vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=args.heads, num_key_value_heads=2
         ).train()
 
     student, teacher = model(args.student_hidden, args.layers), model(args.teacher_hidden, args.layers)
@@ -260,6 +251,7 @@ def main():
     parser.add_argument("--student_hidden", type=int, default=128, help="Student width (the main job's).")
     parser.add_argument("--teacher_hidden", type=int, default=128, help="Teacher width (the main job's).")
     parser.add_argument("--layers", type=int, default=2, help="Layers of both models.")
+    parser.add_argument("--heads", type=int, default=2, help="Attention heads of both models (2 key-value heads).")
     parser.add_argument("--vocab_size", type=int, default=0, help="Vocabulary (0: just above the largest token id).")
     parser.add_argument("--repeats", type=int, default=5, help="Interleaved repeats (medians are reported).")
     parser.add_argument("--threads", type=int, default=2, help="torch threads.")
@@ -279,7 +271,8 @@ def main():
     lines = [
         f"Command: `{command}`. Machine: {os.cpu_count()} CPU cores ({platform.machine()}), {args.threads} torch "
         f"threads, torch {torch.__version__}. Models: Qwen2, hidden {args.student_hidden} (student) and "
-        f"{args.teacher_hidden} (teacher), {args.layers} layers, vocabulary {vocab_size}, fp32, random weights; "
+        f"{args.teacher_hidden} (teacher), {args.layers} layers, {args.heads} heads, vocabulary {vocab_size}, fp32, "
+        "random weights; "
         f"medians of {args.repeats} interleaved repeats. Every layout scores the same invocations and gives the same "
         "scores (tests/test_shared_prefix.py).",
         "",

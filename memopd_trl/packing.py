@@ -548,6 +548,108 @@ class PaddedInvocationCollator(_InvocationCollator):
         return batch
 
 
+def split_rows(batch: dict, num_rows: int | None = None, pad_token_id: int = 0) -> list[dict]:
+    """
+    The rows of a packed batch, each as a batch of its own: one row, cut at its last real token (no row padding).
+
+    A row holds whole sequences (or whole trees of a shared prefix), so each row scores alone exactly as it does
+    inside the batch; forwarding a batch row by row bounds the tokens of one forward by the collator's
+    `max_tokens_per_row`. Each row batch numbers its own action tokens `0..n-1` in canonical order and adds
+    `action_index` (`torch.LongTensor` of shape `(n,)`, increasing): the canonical index in the whole batch of each,
+    so per-token values of the whole batch are read for a row with `values[action_index]`, and a row's scores are put
+    back with `out[action_index] = scores`.
+
+    Args:
+        batch (`dict`):
+            Output of [`PackedInvocationCollator`] (not of [`PaddedInvocationCollator`]: its rows are single
+            sequences already).
+        num_rows (`int`, *optional*):
+            Return at least this many rows: the missing ones hold one `pad_token_id` token and no action (for
+            processes that must run as many forwards as each other, e.g. with sharded weights).
+        pad_token_id (`int`, *optional*, defaults to `0`):
+            The token of such a row.
+
+    Returns:
+        `list[dict]`: one batch per row, in row order, with the fields of [`PackedInvocationCollator`] for one row
+        (`fill` 1.0; `num_tokens_saved` 0 when the batch shares no prefix) and `action_index`.
+    """
+    if "attention_mask" in batch:
+        raise ValueError("`split_rows` takes a packed batch (PackedInvocationCollator); this one has an attention mask.")
+    rows, width = batch["input_ids"].shape
+    is_tree = "tree_key_index" in batch
+    if is_tree:
+        cu_q, cu_k = batch["tree_cu_seq_lens_q"].long(), batch["tree_cu_seq_lens_k"].long()
+        segment_starts = cu_q[:-1]
+    out = []
+    for r in range(rows):
+        length = int((batch["invocation_index"][r] >= 0).sum())  # real tokens come first in a row
+        field = {key: batch[key][r : r + 1, :length] for key in ("input_ids", "position_ids", "invocation_index")}
+        row_targets = batch["action_target_index"][r, :length]
+        is_action = row_targets >= 0
+        action_index, _ = row_targets[is_action].sort()
+        action_target_index = row_targets.clone()
+        action_target_index[is_action] = torch.searchsorted(action_index, row_targets[is_action])
+        row = {
+            **field,
+            "action_target_index": action_target_index[None],
+            "action_index": action_index,
+            "num_invocations": int(field["invocation_index"].unique().numel()),
+            "num_action_tokens": int(is_action.sum()),
+            "num_real_tokens": length,
+            "num_tokens_saved": 0,
+            "fill": 1.0,
+        }
+        start = r * width
+        if is_tree:
+            segments = ((segment_starts >= start) & (segment_starts < start + length)).nonzero().view(-1)
+            first, end = int(segments[0]), int(segments[-1]) + 1
+            query_lengths = cu_q[first + 1 : end + 1] - cu_q[first:end]
+            key_lengths = cu_k[first + 1 : end + 1] - cu_k[first:end]
+            key_index = batch["tree_key_index"][cu_k[first] : cu_k[end]] - start
+            # Tokens sharing saved in this row: each prefix (told apart by its first key) once per extra member.
+            prefix_lengths = (key_lengths - query_lengths).tolist()
+            first_keys = key_index[cu_k[first:end] - cu_k[first]].tolist()
+            prefixes = {key: p for key, p in zip(first_keys, prefix_lengths, strict=True) if p}
+            row["num_tokens_saved"] = sum(prefix_lengths) - sum(prefixes.values())
+            row.update(
+                tree_cu_seq_lens_q=torch.cat([query_lengths.new_zeros(1), query_lengths.cumsum(0)]).int(),
+                tree_cu_seq_lens_k=torch.cat([key_lengths.new_zeros(1), key_lengths.cumsum(0)]).int(),
+                tree_key_index=key_index,
+                tree_max_length_q=int(query_lengths.max()),
+                tree_max_length_k=int(key_lengths.max()),
+            )
+        else:
+            starts = (field["position_ids"][0] == 0).nonzero().view(-1)
+            cu_seq_lens = torch.cat([starts, starts.new_tensor([length])]).to(torch.int32)
+            max_length = int(cu_seq_lens.diff().max())
+            row.update(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=max_length)
+            row["max_length_k"] = max_length
+        out.append(row)
+    device = batch["input_ids"].device
+    for _ in range(len(out), num_rows or 0):
+        token = torch.full((1, 1), pad_token_id, dtype=torch.long, device=device)
+        cu_seq_lens = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        out.append(
+            {
+                "input_ids": token,
+                "position_ids": torch.zeros_like(token),
+                "invocation_index": torch.full_like(token, -1),
+                "action_target_index": torch.full_like(token, -1),
+                "action_index": torch.zeros(0, dtype=torch.long, device=device),
+                "cu_seq_lens_q": cu_seq_lens,
+                "cu_seq_lens_k": cu_seq_lens,
+                "max_length_q": 1,
+                "max_length_k": 1,
+                "num_invocations": 0,
+                "num_action_tokens": 0,
+                "num_real_tokens": 0,
+                "num_tokens_saved": 0,
+                "fill": 0.0,
+            }
+        )
+    return out
+
+
 def gather_actions(values: torch.Tensor, action_target_index: torch.Tensor) -> torch.Tensor:
     """
     Read the values at the action tokens of a layout, in canonical action order (differentiable).

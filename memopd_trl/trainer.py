@@ -34,13 +34,13 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object, send_to_device
+from accelerate.utils import DistributedType, gather_object, send_to_device
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -74,7 +74,7 @@ from .losses import (
     value_loss,
 )
 from .model_card import build_model_card
-from .packing import PackedInvocationCollator
+from .packing import PackedInvocationCollator, split_rows
 from .records import Episode, Invocation
 from .rollout import RolloutEngine
 from .scoring import (
@@ -271,6 +271,8 @@ class MemOPDTrainer(_BaseTrainer):
         self.env_factory = env_factory
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._buffers: dict[int, dict[str, Any]] = {}  # rollout batch of each gradient-accumulation slot
+        self._loss_sums: defaultdict[str, float] = defaultdict(float)  # loss terms of this batch, over its rows
+        self._diagnostics: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []  # per row, with `rewarded`
         self._micro_step: int | None = None
 
         super().__init__(
@@ -376,9 +378,14 @@ class MemOPDTrainer(_BaseTrainer):
                 top_k=args.top_k,
                 max_completion_length=args.max_new_tokens,
             )
+        # Both models generate with whole weights (gathered when sharded: `_play`, `_teacher_play`), so decoding runs
+        # no collective: processes may sample different numbers of tokens and play different numbers of turns.
+        # (transformers would otherwise sync every decoding step across processes under FSDP / ZeRO-3, and a process
+        # whose episodes ended sooner would leave the others waiting.)
         generation = dict(
             tokenizer=processing_class, env_factory=env_factory, max_new_tokens=args.max_new_tokens,
             max_prompt_length=args.max_prompt_length, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            generation_kwargs={"synced_gpus": False},
         )  # fmt: skip
         self.rollout_engine = RolloutEngine(
             model=self.accelerator.unwrap_model(self.model),
@@ -473,7 +480,8 @@ class MemOPDTrainer(_BaseTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # One training step
     # ------------------------------------------------------------------------------------------------------------
-    def _prepare_inputs(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def _rollout_and_score(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Steps 1-4 for one micro-batch of records (once per rollout: with `num_iterations > 1` later updates reuse it)."""
         accumulation = self.args.gradient_accumulation_steps
         if self._micro_step is None:  # first call of this run (or of a resumed run)
             self._micro_step = self.state.global_step * accumulation
@@ -509,10 +517,13 @@ class MemOPDTrainer(_BaseTrainer):
                 return {"skip_reason": "Another process's batch reached no model call (sharded weights: all skip)"}
             return {"skip_reason": f"No episode of this batch reached a model call ({rollout.stats})"}
 
-        # 2. pack: every invocation rebuilt as its own sequence, whole invocations packed into rows
+        # 2. pack: every invocation rebuilt as its own sequence, whole invocations packed into rows; each row is
+        # forwarded on its own (bounded activations)
         student_batch = send_to_device(self.collator(invocations), device)
+        student_rows = self._forward_rows(student_batch)
         batch: dict[str, Any] = {
             "student_batch": student_batch,
+            "student_rows": student_rows,
             "sequence_ids": torch.repeat_interleave(
                 torch.arange(len(invocations)), torch.tensor([len(inv.output_ids) for inv in invocations])
             ).to(device),  # (N,)
@@ -522,7 +533,7 @@ class MemOPDTrainer(_BaseTrainer):
         }
 
         # 3. advantages, one per action token
-        batch.update(self._compute_advantages(rollout.episodes, student_batch))
+        batch.update(self._compute_advantages(rollout.episodes, student_rows))
         tokens_per_episode = [sum(len(inv.output_ids) for inv in ep.invocations) for ep in rollout.episodes]
         rewarded = torch.tensor([ep.reward > 0 for ep in rollout.episodes])
         batch["rewarded"] = broadcast_to_tokens(rewarded, tokens_per_episode).to(device)  # (N,), for the diagnostics
@@ -530,12 +541,12 @@ class MemOPDTrainer(_BaseTrainer):
         # 4. teacher scoring: hidden states at every action position, aligned (same rows) or persistent history
         start = time.perf_counter()
         if self.teacher_model is not None and (args.distill_coef > 0 or args.sampled_kl_coef > 0):
-            teacher_batch = student_batch
+            teacher_rows = student_rows
             if args.teacher_scoring == "persistent":
-                teacher_batch = send_to_device(self.teacher_collator(invocations), device)
+                teacher_rows = self._forward_rows(send_to_device(self.teacher_collator(invocations), device))
             teacher = self.accelerator.unwrap_model(self.teacher_model)
             with torch.no_grad():
-                batch["teacher_hidden"] = action_hidden_states(teacher, teacher_batch)  # (N, H_teacher)
+                batch["teacher_hidden"] = self._row_hidden_states(teacher, teacher_rows)  # (N, H_teacher)
                 if args.sampled_kl_coef > 0 or args.distill_until_divergence > 0:
                     # The teacher's log-prob of each sampled token at the sampling temperature, as `old_logprobs`.
                     teacher_logprobs = self._sampled_token_logprobs(teacher, batch["teacher_hidden"], student_batch)
@@ -559,7 +570,7 @@ class MemOPDTrainer(_BaseTrainer):
         if args.kl_coef > 0:
             start = time.perf_counter()
             with torch.no_grad(), self._reference_model() as reference:
-                ref_hidden = action_hidden_states(reference, student_batch)  # (N, H)
+                ref_hidden = self._row_hidden_states(reference, student_rows)  # (N, H)
                 batch["ref_logprobs"] = self._sampled_token_logprobs(reference, ref_hidden, student_batch)  # (N,)
             rollout.seconds["reference"] = time.perf_counter() - start
         return batch
@@ -568,12 +579,16 @@ class MemOPDTrainer(_BaseTrainer):
         """
         The teacher plays `teacher_generations` sampled episodes per record; returns their invocations, the
         teacher's hidden states at every action position (scored as `teacher_scoring` says, as the student's actions
-        are), and `joint_batch`: the rollout's invocations then these, packed together for the student's one forward
-        (`_student_loss`). `None` when no episode reached a model call. Collective.
+        are), and `joint_rows`: the rollout's invocations then these, packed together for the student's forwards
+        (`_student_loss`: a row can hold actions of both). `None` when no episode reached a model call. Collective.
         """
         args, device = self.args, self.accelerator.device
         start = time.perf_counter()
-        with gathered_for_generation(self.accelerator.unwrap_model(self.teacher_model)):
+        with (
+            unwrap_model_for_generation(self.teacher_model, self.accelerator) as teacher,  # ZeRO-3: gathered
+            gathered_for_generation(teacher),  # FSDP2: gathered
+        ):
+            self.teacher_engine.model = teacher
             episodes, _ = self.teacher_engine.rollout(records, num_generations=args.teacher_generations, greedy=False)
         invocations = [inv for ep in episodes for inv in ep.invocations]
         metrics = self._metrics["train"]
@@ -581,14 +596,13 @@ class MemOPDTrainer(_BaseTrainer):
         metrics["teacher_play/f1"].append(self.accelerator.gather(f1).mean().item())
         play = None
         if self._every_process_has(bool(invocations)):
-            student_batch = send_to_device(self.collator(invocations), device)
-            teacher_batch = student_batch
-            if args.teacher_scoring == "persistent":
-                teacher_batch = send_to_device(self.teacher_collator(invocations), device)
+            collator = self.teacher_collator if args.teacher_scoring == "persistent" else self.collator
+            teacher_rows = self._forward_rows(send_to_device(collator(invocations), device))
             with torch.no_grad():
-                teacher_hidden = action_hidden_states(self.accelerator.unwrap_model(self.teacher_model), teacher_batch)
-            joint_batch = send_to_device(self.collator(rollout_invocations + invocations), device)
-            play = {"invocations": invocations, "joint_batch": joint_batch, "teacher_hidden": teacher_hidden}
+                teacher = self.accelerator.unwrap_model(self.teacher_model)
+                teacher_hidden = self._row_hidden_states(teacher, teacher_rows)  # (N_play, H_teacher)
+            joint_rows = self._forward_rows(send_to_device(self.collator(rollout_invocations + invocations), device))
+            play = {"invocations": invocations, "joint_rows": joint_rows, "teacher_hidden": teacher_hidden}
         metrics["time/teacher_play"].append(time.perf_counter() - start)
         return play
 
@@ -641,8 +655,8 @@ class MemOPDTrainer(_BaseTrainer):
         device = self.accelerator.device
         teacher = self.accelerator.unwrap_model(self.teacher_model)
         with torch.no_grad():
-            persistent_batch = send_to_device(self.audit_collator(audited), device)
-            persistent_hidden = action_hidden_states(teacher, persistent_batch)  # (N_audited, H), order of `audited`
+            persistent_rows = self._forward_rows(send_to_device(self.audit_collator(audited), device))
+            persistent_hidden = self._row_hidden_states(teacher, persistent_rows)  # (N_audited, H), order of `audited`
         with torch.no_grad(), gathered_lm_head(teacher, self.vocab_size) as (weight, bias):
             kl = chunked_generalized_jsd(
                 persistent_hidden,
@@ -662,7 +676,7 @@ class MemOPDTrainer(_BaseTrainer):
         for turn in turns.unique().tolist():
             metrics[f"misalignment/kl_turn_{turn}"].append(kl[turns == turn].mean().item())
 
-    def _compute_advantages(self, episodes: list[Episode], student_batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _compute_advantages(self, episodes: list[Episode], student_rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """
         Step 3: the advantage of every action token, `(N,)` in canonical order (episode by episode, then invocation
         and token order), from the episodes' final rewards.
@@ -682,7 +696,7 @@ class MemOPDTrainer(_BaseTrainer):
             return {"advantages": broadcast_to_tokens(advantages, tokens_per_episode).to(device)}
 
         with torch.no_grad():
-            hidden = action_hidden_states(self.accelerator.unwrap_model(self.model), student_batch)  # (N, H)
+            hidden = self._row_hidden_states(self.accelerator.unwrap_model(self.model), student_rows)  # (N, H)
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float().cpu()  # (N,)
         width = int(tokens_per_episode.max())
         mask = torch.arange(width) < tokens_per_episode[:, None]  # (E, T): the action tokens of each episode
@@ -696,6 +710,28 @@ class MemOPDTrainer(_BaseTrainer):
             "returns": returns[mask].to(device),  # (N,)
             "old_values": values.to(device),  # (N,)
         }
+
+    def _forward_rows(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """
+        The rows of a packed batch, each forwarded on its own (`split_rows`): a forward holds at most one row's tokens
+        (`max_tokens_per_row`), so activations stay bounded however large the batch. With sharded weights every
+        forward (and the LM heads' gathering in the loss) is collective, so every process runs as many rows as the
+        process with the most: the others get rows of one padding token and no action, which go through the same
+        code. Collective then.
+        """
+        num_rows = None
+        if is_sharded(self.accelerator) and self.accelerator.num_processes > 1:
+            count = torch.tensor([batch["input_ids"].shape[0]], device=self.accelerator.device)
+            num_rows = int(self.accelerator.gather(count).max())
+        return split_rows(batch, num_rows, self.processing_class.pad_token_id)
+
+    def _row_hidden_states(self, model: nn.Module, rows: list[dict[str, Any]]) -> torch.Tensor:
+        """`(N, H)`: the hidden states at every action position of a batch forwarded row by row, in canonical order."""
+        parts = [(row["action_index"], action_hidden_states(model, row)) for row in rows]
+        hidden = parts[0][1].new_empty(sum(len(index) for index, _ in parts), parts[0][1].shape[-1])
+        for index, part in parts:
+            hidden[index] = part
+        return hidden
 
     def _every_process_has(self, flag: bool) -> bool:
         """
@@ -772,16 +808,85 @@ class MemOPDTrainer(_BaseTrainer):
             generation.llm.sleep(level=2)
             self._vllm_synced_step = None
 
+    def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """
+        One micro-batch: the rollout and its scoring (`_prepare_inputs`), then the student's forward and backward
+        passes, one per packed row (`_loss_pieces`). Every row is a `transformers.Trainer.training_step` of its own
+        (loss scaling, `accelerator.backward`), and the rows' gradients add up to the gradient of the whole batch's
+        loss: each row's loss carries its share of every batch-level mean. The gradient reduction across processes
+        (DDP, FSDP2, DeepSpeed) waits for the last row, as it would for the last micro-batch of an accumulation.
+        """
+        model.train()
+        pieces = self._loss_pieces(self._prepare_inputs(inputs))
+        loss = None
+        for k, piece in enumerate(pieces):
+            with nullcontext() if k == len(pieces) - 1 else self._deferred_gradient_sync(model):
+                piece_loss = super().training_step(model, piece, num_items_in_batch)
+            loss = piece_loss if loss is None else loss + piece_loss
+        self._log_loss_sums()
+        return loss
+
+    @contextmanager
+    def _deferred_gradient_sync(self, model: nn.Module) -> Iterator[None]:
+        """No gradient reduction across processes for the backward passes inside (all rows of a batch but its last)."""
+        accelerator = self.accelerator
+        sync = accelerator.sync_gradients
+        if accelerator.num_processes == 1:
+            yield
+        elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # `accelerator.backward` tells the engine it is not at an accumulation boundary: no reduction, no step.
+            accelerator.gradient_state._set_sync_gradients(False)
+            try:
+                yield
+            finally:
+                accelerator.gradient_state._set_sync_gradients(sync)
+        elif accelerator.is_fsdp2:
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(sync)  # as the accumulation around this micro-batch wants it
+        else:
+            with accelerator.no_sync(model):
+                yield
+
+    def _prepare_inputs(self, inputs):
+        if isinstance(inputs, _LossPiece):  # `transformers.Trainer.training_step` on one row of a prepared batch
+            return inputs
+        return self._rollout_and_score(inputs)
+
+    def _loss_pieces(self, batch: dict[str, Any]) -> list["_LossPiece"]:
+        """
+        The student's forward and backward passes of one batch: one piece per packed row (of the joint rows when the
+        teacher plays too), each with the batch-level counts that its loss terms are shares of. A batch that is
+        skipped is one piece with no row.
+        """
+        if "skip_reason" in batch:
+            return [_LossPiece(batch, None)]
+        play = batch.get("teacher_play")
+        rows = batch["student_rows"] if play is None else play["joint_rows"]
+        num_actions = len(batch["old_logprobs"])
+        kept = int(batch["distill_mask"].sum()) if "distill_mask" in batch else num_actions
+        counts = {
+            "actions": num_actions,
+            "sequences": int(batch["sequence_ids"].unique().numel()),
+            "distilled": kept + (len(play["teacher_hidden"]) if play is not None else 0),
+            "play": len(play["teacher_hidden"]) if play is not None else 0,
+        }
+        self._loss_sums = defaultdict(float)
+        self._diagnostics = []
+        return [_LossPiece(batch, row, counts) for row in rows]
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("MemOPDTrainer does not return model outputs from `compute_loss`.")
         start = time.perf_counter()
-        reason = inputs.get("skip_reason")
+        reason = inputs.batch.get("skip_reason")
         if reason is None:
             unwrapped = self.accelerator.unwrap_model(model)
             # Route the student forward through the wrapper (DDP/FSDP) so gradient synchronization hooks fire.
             loss = self._forward_redirection(model, unwrapped, self._student_loss, unwrapped, inputs)
-            self._metrics["train"]["time/actor"].append(time.perf_counter() - start)
+            self._loss_sums["time/actor"] += time.perf_counter() - start
             if torch.isfinite(loss):
                 return loss
             # A NaN/inf (teacher or student log-probs, an overflow) would poison the weights.
@@ -808,101 +913,124 @@ class MemOPDTrainer(_BaseTrainer):
         token = torch.full((1, 1), self.processing_class.pad_token_id, dtype=torch.long, device=self.accelerator.device)
         return model(input_ids=token, use_cache=False).logits.sum() * 0.0
 
-    def _student_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """Step 5: the student forward on the packed rows and the loss, from the inputs `_score` made."""
-        args = self.args
-        batch = inputs["student_batch"]
-        play = inputs.get("teacher_play")  # the teacher's own episodes, distilled on every token
-        if play is None:
-            hidden = action_hidden_states(model, batch)  # (N, H)
-        else:
-            # One student forward for both sets of actions. Under FSDP2 the final norm and the LM head are one unit,
-            # whose gradient is reduced (and head freed) once the backward has passed the norm: a second forward
-            # would have its head freed and its gradient reduced before the first one's backward had reached them.
-            joint = action_hidden_states(model, play["joint_batch"])  # (N + N_play, H)
-            hidden, play_hidden = joint[: len(inputs["old_logprobs"])], joint[len(inputs["old_logprobs"]) :]
-        metrics = self._metrics["train"]
+    def _student_loss(self, model: nn.Module, piece: "_LossPiece") -> torch.Tensor:
+        """
+        Step 5 on one row: the student forward and this row's share of the loss, from the inputs `_score` made.
+
+        Every term of the loss is a mean over the batch (tokens, sequences, distilled tokens); a row's term is its own
+        mean times the share of the batch it holds (`n_row / n`), so the rows' losses (and gradients) add up to the
+        batch's, and one row is exactly the batch. The logged values are added up the same way (`_log_loss_sums`).
+        """
+        args, inputs, row, counts = self.args, piece.batch, piece.row, piece.counts
+        index = row["action_index"]  # canonical index (in the joint order with teacher play) of each action of the row
+        num_actions = len(inputs["old_logprobs"])  # the rollout's; the teacher's own episodes follow in the joint order
+        rollout = index < num_actions
+        actions, play_actions = index[rollout], index[~rollout] - num_actions
+        joint = action_hidden_states(model, row)  # (n_row, H)
+        hidden, play_hidden = joint[rollout], joint[~rollout]
+        share = len(actions) / counts["actions"]
+        sums = self._loss_sums
         with gathered_lm_head(model, self.vocab_size) as (weight, bias):
             logprobs, entropy = action_logprobs_from_hidden(
                 hidden,
                 weight,
                 bias,
-                action_token_ids(batch),
+                action_token_ids(row)[rollout],
                 temperature=args.temperature,
                 chunk_size=args.logit_chunk_size,
                 return_entropy=True,
-            )  # (N,), (N,)
-            loss = hidden.new_zeros(())
+            )  # (n,), (n,)
+            # Zero, but on the forward's graph: a row with no action (see `_forward_rows`) still runs the backward. Its
+            # LM head is joined too: ZeRO-3 reduces each parameter's gradient, and expects every one on every process.
+            loss = joint.sum() * 0.0
+            if not len(index):
+                loss = loss + sum(p.sum() * 0.0 for p in (weight, bias) if p is not None and p.requires_grad)
             if args.ppo_coef > 0:
+                sequence_ids = inputs["sequence_ids"][actions]
                 ppo, stats = ppo_clip_loss(
                     logprobs,
-                    inputs["old_logprobs"],
-                    inputs["advantages"],
+                    inputs["old_logprobs"][actions],
+                    inputs["advantages"][actions],
                     epsilon=args.epsilon,
                     epsilon_high=args.epsilon_high,
-                    sequence_ids=inputs["sequence_ids"],
+                    sequence_ids=sequence_ids,
                     aggregation=args.loss_aggregation,
                 )
+                if args.loss_aggregation == "sequence_mean":  # a row holds whole sequences
+                    ppo = ppo * (sequence_ids.unique().numel() / counts["sequences"])
+                else:
+                    ppo = ppo * share
                 loss = loss + args.ppo_coef * ppo
-                metrics["loss/ppo"].append(ppo.item())
-                metrics["clip_fraction"].append(float(stats["clip_fraction"]))
-                metrics["approx_kl_old"].append(float(stats["approx_kl"]))
+                sums["loss/ppo"] += ppo.item()
+                sums["clip_fraction"] += float(stats["clip_fraction"]) * share
+                sums["approx_kl_old"] += float(stats["approx_kl"]) * share
             if "teacher_hidden" in inputs:
                 teacher = self.accelerator.unwrap_model(self.teacher_model)
                 with gathered_lm_head(teacher, self.vocab_size) as (teacher_weight, teacher_bias):
+                    jsd = functools.partial(
+                        chunked_generalized_jsd,
+                        student_weight=weight,
+                        teacher_weight=teacher_weight,
+                        beta=args.beta,
+                        temperature=args.distill_temperature,
+                        student_bias=bias,
+                        teacher_bias=teacher_bias,
+                        chunk_size=args.logit_chunk_size,
+                    )
                     if args.distill_coef > 0:
-                        divergence = chunked_generalized_jsd(
-                            hidden,
-                            weight,
-                            inputs["teacher_hidden"],
-                            teacher_weight,
-                            beta=args.beta,
-                            temperature=args.distill_temperature,
-                            student_bias=bias,
-                            teacher_bias=teacher_bias,
-                            chunk_size=args.logit_chunk_size,
-                        )  # (N,)
+                        divergence = jsd(hidden, teacher_hidden=inputs["teacher_hidden"][actions])  # (n,)
                         if "distill_mask" in inputs:  # the tokens up to each action's first divergence
-                            divergence = divergence[inputs["distill_mask"]]
-                        if play is not None:
-                            play_divergence = chunked_generalized_jsd(
-                                play_hidden,
-                                weight,
-                                play["teacher_hidden"],
-                                teacher_weight,
-                                beta=args.beta,
-                                temperature=args.distill_temperature,
-                                student_bias=bias,
-                                teacher_bias=teacher_bias,
-                                chunk_size=args.logit_chunk_size,
-                            )  # (N_play,)
-                            metrics["loss/distill_teacher_play"].append(play_divergence.mean().item())
+                            divergence = divergence[inputs["distill_mask"][actions]]
+                        if counts["play"]:
+                            play = inputs["teacher_play"]
+                            play_divergence = jsd(play_hidden, teacher_hidden=play["teacher_hidden"][play_actions])
+                            sums["loss/distill_teacher_play"] += play_divergence.sum().item() / counts["play"]
                             divergence = torch.cat([divergence, play_divergence])
-                        distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
+                        distill = divergence.mean() if divergence.numel() else joint.new_zeros(())
+                        distill = distill * (divergence.numel() / max(counts["distilled"], 1))
                         loss = loss + args.distill_coef * distill
-                        metrics["loss/distill"].append(distill.item())
-                    if args.distill_diagnostics:
+                        sums["loss/distill"] += distill.item()
+                    if args.distill_diagnostics and len(actions):
                         diagnostics = distillation_diagnostics(
                             hidden.detach(),
                             weight.detach(),
-                            inputs["teacher_hidden"],
+                            inputs["teacher_hidden"][actions],
                             teacher_weight,
                             student_bias=None if bias is None else bias.detach(),
                             teacher_bias=teacher_bias,
                             chunk_size=args.logit_chunk_size,
-                        )  # each (N,)
-                        self._log_diagnostics(diagnostics, inputs["rewarded"])
+                        )  # each (n,)
+                        self._diagnostics.append((diagnostics, inputs["rewarded"][actions]))
         if "ref_logprobs" in inputs:
-            kl = kl_penalty(logprobs, inputs["ref_logprobs"]).mean()
+            kl = kl_penalty(logprobs, inputs["ref_logprobs"][actions]).mean() * share if len(actions) else 0.0 * loss
             loss = loss + args.kl_coef * kl
-            metrics["kl_ref"].append(kl.item())
+            sums["kl_ref"] += kl.item()
         if self.value_head is not None:
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-            v_loss = value_loss(values, inputs["returns"], old_values=inputs["old_values"], clip=args.cliprange_value)
+            v_loss = value_loss(
+                values, inputs["returns"][actions], old_values=inputs["old_values"][actions], clip=args.cliprange_value
+            ) * share
             loss = loss + args.vf_coef * v_loss
-            metrics["loss/value"].append(v_loss.item())
-        metrics["entropy"].append(entropy.mean().item() if entropy.numel() else 0.0)
+            sums["loss/value"] += v_loss.item()
+        sums["entropy"] += entropy.mean().item() * share if entropy.numel() else 0.0
         return loss
+
+    def _batch_loss(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The loss of a whole scored batch, logged: the sum of its rows' losses (every row forwarded, no backward)."""
+        loss = sum(self._student_loss(model, piece) for piece in self._loss_pieces(batch))
+        self._log_loss_sums()
+        return loss
+
+    def _log_loss_sums(self) -> None:
+        """Log the batch's loss terms, added up over its rows, and its distillation diagnostics over all its rows."""
+        metrics = self._metrics["train"]
+        for name, value in self._loss_sums.items():
+            metrics[name].append(value)
+        if self._diagnostics:
+            names = self._diagnostics[0][0]
+            diagnostics = {name: torch.cat([d[name] for d, _ in self._diagnostics]) for name in names}
+            self._log_diagnostics(diagnostics, torch.cat([rewarded for _, rewarded in self._diagnostics]))
+        self._loss_sums, self._diagnostics = defaultdict(float), []
 
     # ------------------------------------------------------------------------------------------------------------
     # Logging, evaluation, model card
@@ -1134,6 +1262,15 @@ def _load_model(name: str, init_kwargs: dict | None, attn_implementation: str, a
     if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED", "FSDP"]:
         kwargs["device_map"] = None
     return create_model_from_path(name, **kwargs)
+
+
+@dataclass
+class _LossPiece:
+    """One forward and backward pass of the student: a row of a scored batch (`None`: a batch that is skipped)."""
+
+    batch: dict[str, Any]
+    row: dict[str, Any] | None
+    counts: dict[str, int] = field(default_factory=dict)  # batch-level counts the row's loss terms are shares of
 
 
 @dataclass

@@ -24,7 +24,7 @@ HEAD = ROOT / "tests" / "distributed" / "sharded_head.py"
 VLLM_SYNC = ROOT / "tests" / "distributed" / "sharded_vllm_sync.py"
 FSDP_CPU = ROOT / "examples" / "accelerate_configs" / "fsdp_cpu.yaml"
 ZERO3_CPU = ROOT / "examples" / "accelerate_configs" / "deepspeed_zero3_cpu.yaml"
-CASES = ("aligned", "persistent", "lora", "teacher_play")
+CASES = ("aligned", "persistent", "lora", "teacher_play", "rows")
 
 
 def _env(**extra) -> dict:
@@ -56,7 +56,8 @@ def ddp_and_fsdp_weights(tmp_path_factory):
     _launch(["--config_file", str(FSDP_CPU), "--main_process_port", "29532", str(TRAINING), str(root / "fsdp")],
             root, MEMOPD_EXPECT_DISTRIBUTED_TYPE="FSDP")  # fmt: skip
     return {
-        strategy: {case: torch.load(root / strategy / f"{case}.pt") for case in CASES} for strategy in ("ddp", "fsdp")
+        strategy: {case: torch.load(root / strategy / f"{case}.pt") for case in (*CASES, "one_row")}
+        for strategy in ("ddp", "fsdp")
     }
 
 
@@ -80,6 +81,19 @@ def test_zero3_reaches_the_ddp_weights(ddp_and_fsdp_weights, tmp_path, case):
     worst = max((ddp["weights"][k] - zero3["weights"][k]).abs().max().item() for k in ddp["weights"])
     assert worst <= 1e-5
     assert _max_relative_difference(ddp["weights"], zero3["weights"]) <= 1e-4
+
+
+def test_rows_forwarded_one_at_a_time_reach_the_weights_of_whole_batches(ddp_and_fsdp_weights):
+    # "rows": 64-token rows, each forwarded and back-propagated on its own, the gradient reduction deferred to the
+    # last row; "one_row": the same run with each batch in one row. The second process plays fewer turns than the
+    # first, so under FSDP2 it runs idle rows to keep the collectives in step (and generates fewer times: decoding
+    # must not sync across processes).
+    for strategy in ("ddp", "fsdp"):
+        rows, whole = ddp_and_fsdp_weights[strategy]["rows"], ddp_and_fsdp_weights[strategy]["one_row"]
+        assert rows["forwards"][0] > 4 * whole["forwards"][0], "64-token rows: several forwards per batch"
+        assert _max_relative_difference(whole["weights"], rows["weights"]) <= 1e-5, strategy
+    assert ddp_and_fsdp_weights["ddp"]["rows"]["forwards"][1] == 0, "DDP forwards are not collective: no idle rows"
+    assert ddp_and_fsdp_weights["fsdp"]["rows"]["forwards"][1] > 0, "uneven turns: the second process has fewer rows"
 
 
 def test_the_weight_comparison_tells_runs_apart(ddp_and_fsdp_weights):

@@ -6,7 +6,14 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from memopd_trl import scoring
 from memopd_trl.modeling import build_tiny_model
-from memopd_trl.packing import PackedInvocationCollator, balanced_rows, first_fit_decreasing, gather_actions
+from memopd_trl.packing import (
+    PackedInvocationCollator,
+    PaddedInvocationCollator,
+    balanced_rows,
+    first_fit_decreasing,
+    gather_actions,
+    split_rows,
+)
 from memopd_trl.records import Invocation
 from memopd_trl.scoring import (
     TREE_ATTENTION_IMPLEMENTATIONS,
@@ -115,6 +122,33 @@ def test_no_row_budget_lays_out_one_row_without_padding_and_scores_exactly(invoc
         alone = full_logits_action_logprobs(m, invocations)
         torch.testing.assert_close(action_logprobs(m, one_row), alone, atol=ATOL, rtol=0)
         torch.testing.assert_close(action_logprobs(m, rows), alone, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("attn_implementation", [VARLEN_SDPA, "sdpa", "eager"])
+@pytest.mark.parametrize("share_prefix", [False, True], ids=["plain", "shared"])
+def test_rows_scored_one_at_a_time_give_each_invocation_alone(invocations, share_prefix, attn_implementation):
+    # The trainer forwards each row of a batch on its own (bounded activations): every row, cut at its last real
+    # token, scores its actions as they score alone, and `action_index` puts them back in canonical order.
+    batch = PackedInvocationCollator(max_tokens_per_row=64, share_prefix=share_prefix)(invocations)
+    rows = split_rows(batch, num_rows=batch["input_ids"].shape[0] + 2, pad_token_id=7)
+    assert len(rows) == batch["input_ids"].shape[0] + 2
+    assert sum(r["num_real_tokens"] for r in rows) == batch["num_real_tokens"]
+    assert sum(r["num_tokens_saved"] for r in rows) == batch["num_tokens_saved"]
+    assert torch.equal(torch.cat([r["action_index"] for r in rows]).sort().values, torch.arange(batch["num_action_tokens"]))
+    assert all(r["input_ids"].shape == (1, r["num_real_tokens"]) for r in rows[:-2]), "no row padding"
+    assert [r["input_ids"].tolist() for r in rows[-2:]] == [[[7]], [[7]]] and not rows[-1]["action_index"].numel()
+    m = model("qwen2", attn_implementation)
+    with torch.no_grad():
+        alone = full_logits_action_logprobs(m, invocations)
+        out = torch.full_like(alone, float("nan"))
+        for row in rows:
+            out[row["action_index"]] = action_logprobs(m, row)
+    torch.testing.assert_close(out, alone, atol=ATOL, rtol=0)
+
+
+def test_split_rows_refuses_a_padded_batch(invocations):
+    with pytest.raises(ValueError, match="packed batch"):
+        split_rows(PaddedInvocationCollator()(invocations[:2]))
 
 
 def test_balanced_rows_use_no_more_rows_and_no_wider_rows_than_first_fit_decreasing():

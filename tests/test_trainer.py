@@ -324,6 +324,59 @@ def test_row_budget_follows_the_attention_unless_set(
         assert min(rows) > 1.0, "a 64-token budget splits this batch into several rows"
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(distill_until_divergence=0.3, teacher_generations=2, kl_coef=0.1, loss_aggregation="token_mean"),
+        dict(advantage_estimator="gae", loss_aggregation="sequence_mean", gradient_accumulation_steps=2),
+    ],
+    ids=["distill-mask-teacher-play-kl", "gae-sequence-mean-accumulation"],
+)
+def test_rows_forwarded_one_at_a_time_give_the_update_of_one_row(
+    tmp_path, world, make_tiny_model, tiny_tokenizer, settings
+):
+    # The student forwards and back-propagates each packed row on its own (bounded activations). Each row's loss is
+    # its share of every batch-level mean, so the rows' gradients add up to those of the whole batch in one row: the
+    # same update (plain SGD: a scale error would show, Adam would hide it) and the same logged losses.
+    def run(max_tokens_per_row, name, broken=False):
+        student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
+        for m in (student, teacher):
+            m.set_attn_implementation(VARLEN_SDPA)
+        trainer = MemOPDTrainer(
+            model=student, teacher_model=teacher, train_dataset=world.records, env_factory=LengthRewardEnv.factory(),
+            args=make_config(tmp_path / name, max_tokens_per_row=max_tokens_per_row, max_steps=2, optim="sgd",
+                             learning_rate=0.5, num_generations=4, **settings),
+            processing_class=tiny_tokenizer,
+        )  # fmt: skip
+        if broken:  # each row as if it were the whole batch: its own means, not its shares of the batch's
+            pieces = trainer._loss_pieces
+
+            def own_means(batch):
+                out = pieces(batch)
+                for piece in out:
+                    if piece.row is not None:
+                        n = int((piece.row["action_index"] < len(batch["old_logprobs"])).sum())
+                        piece.counts = {**piece.counts, "actions": max(n, 1)}
+                return out
+
+            trainer._loss_pieces = own_means
+        trainer.train()
+        logged = {k: losses_logged(trainer, k) for k in ("loss", "loss/ppo", "loss/distill", "entropy", "packing/rows")}
+        return logged, params_of(student)
+
+    (one, one_weights), (rows, row_weights) = run(None, "one"), run(200, "rows")
+    assert set(one["packing/rows"]) == {1.0} and min(rows["packing/rows"]) >= 3, "200-token rows: several forwards"
+    assert changed(one_weights, make_tiny_model(seed=0)), "the update must move the weights for the check to mean much"
+    for key in ("loss", "loss/ppo", "loss/distill", "entropy"):
+        assert rows[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+    for name, value in one_weights.items():
+        torch.testing.assert_close(row_weights[name], value, atol=1e-6, rtol=1e-5)
+    _, broken_weights = run(200, "broken", broken=True)
+    assert any(
+        not torch.allclose(broken_weights[name], value, atol=1e-6, rtol=1e-5) for name, value in one_weights.items()
+    ), "rows that each take their own mean must give another update: the check above would catch it"
+
+
 def test_activation_checkpointing_gives_the_same_update(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
     # Large batches are scored in one forward: checkpointing is how a user bounds its activations (docs/scaling.md).
     # It must not change the update: same loss and same weights after a step as without it.
@@ -952,7 +1005,7 @@ def test_sampled_kl_advantage_adds_teacher_minus_rollout_logprobs_at_the_samplin
     )
     rollout = trainer._rollout(world.records[:2])
     batch = trainer._score(rollout)
-    reward_only = trainer._compute_advantages(rollout.episodes, batch["student_batch"])["advantages"]
+    reward_only = trainer._compute_advantages(rollout.episodes, batch["student_rows"])["advantages"]
     with torch.no_grad():  # by hand: the teacher's full logits at each sampled token, at the sampling temperature
         teacher_logprobs = full_logits_action_logprobs(teacher, rollout.invocations, temperature=1.5)
     old_logprobs = torch.tensor([lp for inv in rollout.invocations for lp in inv.logprobs])
@@ -1016,10 +1069,10 @@ def test_distill_until_divergence_distills_each_action_only_up_to_its_first_unli
     assert torch.equal(batch["distill_mask"], expected)
     assert 0 < expected.sum() < expected.numel(), "the check needs kept and dropped tokens"
     trainer._metrics["train"].clear()
-    trainer._student_loss(student, batch)
+    trainer._batch_loss(student, batch)
     (masked,) = trainer._metrics["train"]["loss/distill"]
     del batch["distill_mask"]
-    trainer._student_loss(student, batch)
+    trainer._batch_loss(student, batch)
     _, every_token = trainer._metrics["train"]["loss/distill"]
     assert masked != pytest.approx(every_token), "the mask must change the distillation loss"
     with pytest.raises(ValueError, match="`distill_until_divergence` .* but `distill_coef` is 0"):
@@ -1092,14 +1145,14 @@ def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
     per_token = generalized_jsd_loss(student_logits[None], teacher_logits[None], beta=0.5, reduction="none").sum(-1)[0]
 
     trainer._metrics["train"].clear()
-    trainer._student_loss(student, batch)
+    trainer._batch_loss(student, batch)
     metrics = trainer._metrics["train"]
     # one token mean over the student's actions and the teacher's, each in its own exact state
     assert metrics["loss/distill"][0] == pytest.approx(per_token.mean().item(), rel=1e-4)
     num_own = sum(len(inv.output_ids) for inv in own)
     assert metrics["loss/distill_teacher_play"][0] == pytest.approx(per_token[num_own:].mean().item(), rel=1e-4)
     del batch["teacher_play"]
-    trainer._student_loss(student, batch)
+    trainer._batch_loss(student, batch)
     assert metrics["loss/ppo"][1] == metrics["loss/ppo"][0], "the teacher's episodes never enter PPO"
     assert metrics["loss/distill"][1] != pytest.approx(metrics["loss/distill"][0])
     with pytest.raises(ValueError, match="`teacher_generations` .* but `distill_coef` is 0"):

@@ -39,6 +39,12 @@ CASES = {
     "persistent": {"teacher_scoring": "persistent", "kl_coef": 0.1},  # with a (sharded) reference model
     "lora": {"kl_coef": 0.1},
     "teacher_play": {"teacher_generations": 1},  # a second student forward inside one loss
+    # Rows of 64 tokens, each forwarded and back-propagated on its own, must reach the weights of one row (plain SGD:
+    # Adam's first step would turn rounding in near-zero gradients into visible differences). With sharded weights
+    # a process with fewer rows than another runs idle forwards, to keep the collectives in step: in these two cases
+    # the second process plays one turn per episode, the first two, so it has fewer rows.
+    "rows": {"sampled_kl_coef": 0.5, "optim": "sgd", "learning_rate": 0.5, "max_tokens_per_row": 64},
+    "one_row": {"sampled_kl_coef": 0.5, "optim": "sgd", "learning_rate": 0.5},
 }
 
 
@@ -81,6 +87,9 @@ def run_case(name: str, overrides: dict, out_dir: Path, state: PartialState) -> 
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     student, teacher = model(0, 32), model(1, 48)
+    # The untrained models write malformed actions only: the second process's episodes end after one, the first's
+    # after two (uneven turns across processes). The launcher's rank: the process group is not set up yet.
+    max_malformed = 2 - int(os.environ["RANK"]) if name in ("rows", "one_row", "teacher_play") else 2
     teacher_before = {n: p.detach().clone() for n, p in teacher.named_parameters()}
     torch.manual_seed(0)  # the same LoRA initialisation whatever the launcher consumed of the random stream
     trainer = MemOPDTrainer(
@@ -89,14 +98,16 @@ def run_case(name: str, overrides: dict, out_dir: Path, state: PartialState) -> 
         args=MemOPDConfig(
             output_dir=tempfile.mkdtemp(prefix=f"memopd-{name}-{state.process_index}-"), use_cpu=True,
             report_to="none", max_steps=2, per_device_train_batch_size=2, num_generations=2, max_new_tokens=8,
-            learning_rate=1e-2, save_strategy="no", disable_tqdm=True, seed=0, audit_steps=1, **overrides,
+            save_strategy="no", disable_tqdm=True, seed=0, audit_steps=1, **{"learning_rate": 1e-2, **overrides},
         ),
         train_dataset=world.records,
-        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2),
+        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=max_malformed),
         processing_class=tokenizer,
         peft_config=peft_config,
     )
     before = whole_parameters(trainer.accelerator.unwrap_model(trainer.model))
+    forward_rows, row_counts = trainer._forward_rows, []  # (rows, idle forwards) of every packed batch
+    trainer._forward_rows = lambda batch: row_counts.append(forward_rows(batch)) or row_counts[-1]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -126,8 +137,12 @@ def run_case(name: str, overrides: dict, out_dir: Path, state: PartialState) -> 
     teacher_after = whole_parameters(trainer.accelerator.unwrap_model(trainer.teacher_model))
     if any(not torch.equal(teacher_after[n], teacher_before[n]) for n in teacher_before):
         failures.append(f"{name}: the teacher changed")
+    counts = torch.tensor([[len(rows), sum(row["num_real_tokens"] == 0 for row in rows)] for rows in row_counts]).sum(0)
+    print(f"[rank {state.process_index}] {name}: {counts.tolist()} (forwards, idle forwards)")
+    torch.distributed.all_reduce(counts)  # over both processes
     if state.is_main_process:
-        torch.save({"weights": weights, "distributed_type": distributed}, out_dir / f"{name}.pt")
+        torch.save({"weights": weights, "distributed_type": distributed, "forwards": counts.tolist()},
+                   out_dir / f"{name}.pt")  # fmt: skip
     return failures
 
 
