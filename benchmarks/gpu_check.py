@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers.utils import is_flash_attn_2_available  # noqa: E402
 
 from memopd_trl.modeling import build_tiny_model  # noqa: E402
-from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator  # noqa: E402
+from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, split_rows  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import VARLEN_SDPA, action_logprobs, full_logits_action_logprobs  # noqa: E402
 
@@ -119,8 +119,12 @@ def layouts(args, device) -> dict:
         f"packed, rows of {row}": (VARLEN_SDPA, [PackedInvocationCollator(row)(invocations)]),
         f"shared-prefix packed, rows of {row}": (VARLEN_SDPA, [PackedInvocationCollator(row, share_prefix=True)(invocations)]),
         "packed, one row": (VARLEN_SDPA, [PackedInvocationCollator(None)(invocations)]),
-        "shared-prefix packed, one row (the trainer's layout)": (
-            VARLEN_SDPA, [PackedInvocationCollator(None, share_prefix=True)(invocations)]),
+        "shared-prefix packed, one row": (VARLEN_SDPA, [PackedInvocationCollator(None, share_prefix=True)(invocations)]),
+        # What the trainer runs: each row forwarded (and back-propagated) on its own, cut at its last token.
+        f"shared-prefix packed, rows of {row}, one forward per row": (
+            VARLEN_SDPA, split_rows(PackedInvocationCollator(row, share_prefix=True)(invocations))),
+        f"shared-prefix packed, rows of {row // 4}, one forward per row": (
+            VARLEN_SDPA, split_rows(PackedInvocationCollator(row // 4, share_prefix=True)(invocations))),
     }  # fmt: skip
     if is_flash_attn_2_available() and device.type == "cuda":
         candidates[f"packed, rows of {row}, flash_attention_2"] = (

@@ -164,12 +164,14 @@ class MemOPDConfig(_BaseConfig):
 
         > Parameters that control packing and scoring
 
-        max_tokens_per_row (`int`, *optional*):
-            Token budget of one packed row; whole invocations are packed into rows, never split. `None` (default):
-            one row holding the whole batch when every model that scores it runs padding-free attention
-            (`"memopd_sdpa_varlen"`, flash-attention: cost follows the invocations, so rows would only add padding
-            and split shared-prefix trees), else rows of 4096 tokens (`sdpa`/`eager` pay a dense `width x width`
-            mask per row).
+        max_tokens_per_row (`int` or `None`, *optional*, defaults to `4096`):
+            Token budget of one packed row; whole invocations (and whole shared-prefix trees, unless a tree outgrows
+            a row) are packed into rows, never split. The trainer forwards and back-propagates each row on its own and
+            the rows' gradients add up to the whole batch's, so this bounds the tokens of one forward, and with them
+            activation memory, whatever the batch size. `None`: a process's whole batch in one row (one forward). On
+            CPU, rows of a few thousand tokens are fastest (docs/benchmarks.md); on a GPU with padding-free attention
+            larger rows (e.g. 16384) keep it busier, at more activation memory. With `sdpa`/`eager` a row also pays a
+            dense `width x width` mask.
         share_prefix (`bool`, *optional*, defaults to `True`):
             Shared-prefix packing: invocations that begin with the same tokens (every turn of every episode of one
             question shares the system prompt and the task) are laid out as a tree, the prefix scored once, exactly.
@@ -394,11 +396,11 @@ class MemOPDConfig(_BaseConfig):
 
     # Packing and scoring
     max_tokens_per_row: int | None = field(
-        default=None,
+        default=4096,
         metadata={
-            "help": "Token budget of one packed row (whole invocations, never split). None: one row holding the whole "
-            "batch when every scoring model runs padding-free attention (memopd_sdpa_varlen, flash-attention), else "
-            "rows of 4096 tokens."
+            "help": "Token budget of one packed row (whole invocations, never split). Each row is forwarded and "
+            "back-propagated on its own, so this bounds the tokens (and activation memory) of one forward. None: a "
+            "process's whole batch in one row."
         },
     )
     share_prefix: bool = field(

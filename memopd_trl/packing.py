@@ -574,7 +574,7 @@ def split_rows(batch: dict, num_rows: int | None = None, pad_token_id: int = 0) 
         (`fill` 1.0; `num_tokens_saved` 0 when the batch shares no prefix) and `action_index`.
     """
     if "attention_mask" in batch:
-        raise ValueError("`split_rows` takes a packed batch (PackedInvocationCollator); this one has an attention mask.")
+        raise ValueError("`split_rows` takes a packed batch (PackedInvocationCollator); this one has an attention mask")
     rows, width = batch["input_ids"].shape
     is_tree = "tree_key_index" in batch
     if is_tree:

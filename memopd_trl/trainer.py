@@ -79,7 +79,6 @@ from .records import Episode, Invocation
 from .rollout import RolloutEngine
 from .scoring import (
     TREE_ATTENTION_IMPLEMENTATIONS,
-    VARLEN_ATTENTION_IMPLEMENTATIONS,
     action_hidden_states,
     action_logprobs_from_hidden,
     action_token_ids,
@@ -99,8 +98,6 @@ if is_peft_available():
 
 
 logger = logging.get_logger(__name__)
-# Row budget of packed batches scored with a dense mask (`sdpa`, `eager`) when `max_tokens_per_row` is None.
-_DENSE_ROW_TOKENS = 4096
 
 
 _PAPER = {
@@ -320,15 +317,8 @@ class MemOPDTrainer(_BaseTrainer):
                 "share_prefix: packing whole invocations, because not every scoring model runs one of %s attention.",
                 TREE_ATTENTION_IMPLEMENTATIONS,
             )
-        # Padding-free attention costs what the invocations cost, however they are laid out: one row then (no row
-        # padding, no split tree). Dense masks cost `width ** 2` per row: rows of a bounded width.
-        padding_free = all(
-            self.accelerator.unwrap_model(m).config._attn_implementation in VARLEN_ATTENTION_IMPLEMENTATIONS
-            for m in scorers
-        )
+        # Each row is forwarded on its own (`_forward_rows`): the budget bounds the tokens of one forward.
         row_budget = args.max_tokens_per_row
-        if row_budget is None:
-            row_budget = None if padding_free else _DENSE_ROW_TOKENS
         self.collator = PackedInvocationCollator(
             max_tokens_per_row=row_budget,
             pad_token_id=processing_class.pad_token_id,
@@ -922,8 +912,10 @@ class MemOPDTrainer(_BaseTrainer):
         batch's, and one row is exactly the batch. The logged values are added up the same way (`_log_loss_sums`).
         """
         args, inputs, row, counts = self.args, piece.batch, piece.row, piece.counts
-        index = row["action_index"]  # canonical index (in the joint order with teacher play) of each action of the row
-        num_actions = len(inputs["old_logprobs"])  # the rollout's; the teacher's own episodes follow in the joint order
+        # Canonical index of each action of the row, in the joint order: the rollout's actions, then (with teacher
+        # play) the teacher's own episodes'.
+        index = row["action_index"]
+        num_actions = len(inputs["old_logprobs"])
         rollout = index < num_actions
         actions, play_actions = index[rollout], index[~rollout] - num_actions
         joint = action_hidden_states(model, row)  # (n_row, H)
@@ -1007,9 +999,8 @@ class MemOPDTrainer(_BaseTrainer):
             sums["kl_ref"] += kl.item()
         if self.value_head is not None:
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-            v_loss = value_loss(
-                values, inputs["returns"][actions], old_values=inputs["old_values"][actions], clip=args.cliprange_value
-            ) * share
+            returns, old_values = inputs["returns"][actions], inputs["old_values"][actions]
+            v_loss = value_loss(values, returns, old_values=old_values, clip=args.cliprange_value) * share
             loss = loss + args.vf_coef * v_loss
             sums["loss/value"] += v_loss.item()
         sums["entropy"] += entropy.mean().item() * share if entropy.numel() else 0.0
@@ -1079,7 +1070,7 @@ class MemOPDTrainer(_BaseTrainer):
                 sum(len(inv.output_ids) for inv in invocations) / len(invocations)
             )
         if "student_batch" in batch:
-            metrics["packing/fill"].append(float(batch["student_batch"].get("fill", 0.0)))
+            # Rows are forwarded one at a time, cut at their last token: no row padding, one forward per row.
             metrics["packing/rows"].append(float(batch["student_batch"]["input_ids"].shape[0]))
             # Share of the rebuilt tokens that shared-prefix packing did not lay out again.
             student_batch = batch["student_batch"]

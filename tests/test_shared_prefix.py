@@ -134,7 +134,8 @@ def test_rows_scored_one_at_a_time_give_each_invocation_alone(invocations, share
     assert len(rows) == batch["input_ids"].shape[0] + 2
     assert sum(r["num_real_tokens"] for r in rows) == batch["num_real_tokens"]
     assert sum(r["num_tokens_saved"] for r in rows) == batch["num_tokens_saved"]
-    assert torch.equal(torch.cat([r["action_index"] for r in rows]).sort().values, torch.arange(batch["num_action_tokens"]))
+    every_action = torch.cat([r["action_index"] for r in rows]).sort().values
+    assert torch.equal(every_action, torch.arange(batch["num_action_tokens"]))
     assert all(r["input_ids"].shape == (1, r["num_real_tokens"]) for r in rows[:-2]), "no row padding"
     assert [r["input_ids"].tolist() for r in rows[-2:]] == [[[7]], [[7]]] and not rows[-1]["action_index"].numel()
     m = model("qwen2", attn_implementation)

@@ -293,34 +293,33 @@ def test_every_packed_forward_disables_cache_and_mask(
 
 
 @pytest.mark.parametrize(
-    ("attn_implementation", "max_tokens_per_row", "one_row"),
-    [(VARLEN_SDPA, None, True), ("sdpa", None, False), (VARLEN_SDPA, 64, False)],
-    ids=["padding-free-default", "dense-default", "padding-free-set"],
+    ("attn_implementation", "max_tokens_per_row", "expected"),
+    [(VARLEN_SDPA, "default", 4096), ("sdpa", "default", 4096), (VARLEN_SDPA, None, None), ("sdpa", 64, 64)],
+    ids=["padding-free-default", "dense-default", "one-row", "set"],
 )
-def test_row_budget_follows_the_attention_unless_set(
-    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, attn_implementation, max_tokens_per_row, one_row
+def test_row_budget_is_4096_tokens_unless_set(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, attn_implementation, max_tokens_per_row, expected
 ):
-    # Padding-free attention costs the invocations however they are laid out: one row, no padding, no split tree.
-    # A dense mask costs width ** 2 per row: rows of 4096. A budget that is set is kept.
+    # Rows bound the tokens of one forward (each row is forwarded on its own); None lays out a batch in one row.
     models = [make_tiny_model(seed=seed) for seed in (0, 1)]
     for m in models:
         m.set_attn_implementation(attn_implementation)
+    settings = {} if max_tokens_per_row == "default" else {"max_tokens_per_row": max_tokens_per_row}
     trainer = MemOPDTrainer(
         model=models[0],
         teacher_model=models[1],
-        args=make_config(tmp_path, max_tokens_per_row=max_tokens_per_row),
+        args=make_config(tmp_path, **settings),
         train_dataset=world.records,
         env_factory=env_factory,
         processing_class=tiny_tokenizer,
     )
-    expected = None if one_row else (max_tokens_per_row or 4096)
     assert trainer.collator.max_tokens_per_row == trainer.teacher_collator.max_tokens_per_row == expected
     trainer.train()
     rows = losses_logged(trainer, "packing/rows")
     assert rows, "packing/rows is logged at every step"
-    if one_row:
+    if expected is None:
         assert set(rows) == {1.0}
-    if max_tokens_per_row == 64:
+    if expected == 64:
         assert min(rows) > 1.0, "a 64-token budget splits this batch into several rows"
 
 

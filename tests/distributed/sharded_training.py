@@ -137,7 +137,7 @@ def run_case(name: str, overrides: dict, out_dir: Path, state: PartialState) -> 
     teacher_after = whole_parameters(trainer.accelerator.unwrap_model(trainer.teacher_model))
     if any(not torch.equal(teacher_after[n], teacher_before[n]) for n in teacher_before):
         failures.append(f"{name}: the teacher changed")
-    counts = torch.tensor([[len(rows), sum(row["num_real_tokens"] == 0 for row in rows)] for rows in row_counts]).sum(0)
+    counts = torch.tensor([[len(rows), sum(r["num_real_tokens"] == 0 for r in rows)] for rows in row_counts]).sum(0)
     print(f"[rank {state.process_index}] {name}: {counts.tolist()} (forwards, idle forwards)")
     torch.distributed.all_reduce(counts)  # over both processes
     if state.is_main_process:
