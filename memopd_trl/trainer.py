@@ -863,8 +863,6 @@ class MemOPDTrainer(_BaseTrainer):
             "distilled": kept + (len(play["teacher_hidden"]) if play is not None else 0),
             "play": len(play["teacher_hidden"]) if play is not None else 0,
         }
-        self._loss_sums = defaultdict(float)
-        self._diagnostics = []
         return [_LossPiece(batch, row, counts) for row in rows]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
