@@ -13,7 +13,7 @@ Sized for one H200 in under 8 minutes. It prints one JSON object per section (an
 3. **trainer**: one `MemOPDTrainer` step of tiny random models on the GPU, with shared-prefix packing;
 4. **rollout**: one generation call of 4 questions x 8 episodes whose first contexts (1000-1250 tokens) repeat
    within each question, 32 new tokens, Qwen2.5-0.5B-shaped random weights in bf16, with the shared prompt prefill
-   (`RolloutEngine(share_prompt_prefill=True)`) and without: times and whether the sampled tokens agree (in bf16
+   (`RolloutEngine(share_prefix=True)`) and without: times and whether the sampled tokens agree (in bf16
    a token may differ where the two batch shapes round a logit differently; fp32 agrees on CPU).
 
 On the GPU machine (torch with CUDA; trl, datasets and bm25s from wheels):
@@ -40,10 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers.utils import is_flash_attn_2_available  # noqa: E402
 
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
+from memopd_trl.attention import VARLEN_SDPA  # noqa: E402
+from memopd_trl.offline import build_tiny_model  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, split_rows  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
-from memopd_trl.scoring import VARLEN_SDPA, action_logprobs, full_logits_action_logprobs  # noqa: E402
+from memopd_trl.scoring import action_logprobs, full_logits_action_logprobs  # noqa: E402
 
 
 QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -156,8 +157,7 @@ def layouts(args, device) -> dict:
 
 def trainer_step(args, device) -> dict:
     from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
-    from memopd_trl.envs.synthetic import make_synthetic_world
-    from memopd_trl.tokenizer import build_tokenizer
+    from memopd_trl.offline import build_tokenizer, make_synthetic_world
 
     world = make_synthetic_world(16, seed=0)
     tokenizer = build_tokenizer(world.texts(), vocab_size=600)
@@ -183,7 +183,7 @@ def trainer_step(args, device) -> dict:
 
 def rollout_prefill(args, device) -> dict:
     from memopd_trl import RolloutEngine
-    from memopd_trl.tokenizer import build_tokenizer
+    from memopd_trl.offline import build_tokenizer
 
     tokenizer = build_tokenizer(["a b c d e f g h"], vocab_size=300)
     vocab, sizes = len(tokenizer), dict(hidden_size=64, num_hidden_layers=2) if args.smoke else QWEN_05B
@@ -198,7 +198,7 @@ def rollout_prefill(args, device) -> dict:
         contexts += [allowed[torch.randint(0, len(allowed), (length,), generator=generator)].tolist()] * 8
     new_tokens = 8 if args.smoke else 32
     engines = {share: RolloutEngine(model, tokenizer, lambda: None, max_new_tokens=new_tokens, max_prompt_length=4 * low,
-                                    eos_token_ids=[vocab + 1], share_prompt_prefill=share)
+                                    eos_token_ids=[vocab + 1], share_prefix=share)
                for share in (False, True)}  # fmt: skip
     times, outputs = {False: [], True: []}, {}
     for _ in range(1 if args.smoke else args.repeats):

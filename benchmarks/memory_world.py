@@ -29,7 +29,6 @@ import torch  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
 from memopd_trl import MemOPDConfig, MemOPDTrainer  # noqa: E402
-from memopd_trl.diagnostics import teacher_takeover  # noqa: E402
 from memopd_trl.envs.multi import multi_objective_max_turns  # noqa: E402
 from memopd_trl.offline import (  # noqa: E402
     OfflineConfig,
@@ -37,6 +36,7 @@ from memopd_trl.offline import (  # noqa: E402
     load_offline_tokenizer,
     make_offline_world,
     prepare_offline_models,
+    teacher_takeover,
 )
 from memopd_trl.rollout import RolloutEngine  # noqa: E402
 
@@ -150,7 +150,7 @@ def training_signal(world, output_dir: Path, tokenizer, args, **settings) -> dic
     config = MemOPDConfig(
         output_dir=str(output_dir / "signal"), max_steps=args.signal_steps, learning_rate=0.0,
         lr_scheduler_type="constant", per_device_train_batch_size=8, num_generations=4, temperature=args.signal_temperature,
-        beta=1.0, audit_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        beta=1.0, misalignment_audit_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
         disable_tqdm=True, seed=0, **settings,
     )  # fmt: skip
     trainer = MemOPDTrainer(

@@ -30,16 +30,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memopd_trl.envs.base import PersistentMemoryPolicy  # noqa: E402
-from memopd_trl.envs.expert import SyntheticExpert, play_episode  # noqa: E402
+from memopd_trl.envs.base import FullHistoryMemoryPolicy  # noqa: E402
 from memopd_trl.envs.hotpot import HotpotQAEnv  # noqa: E402
-from memopd_trl.envs.synthetic import make_synthetic_world  # noqa: E402
-from memopd_trl.imitation import expert_invocations, imitation_train  # noqa: E402
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
+from memopd_trl.offline import (  # noqa: E402
+    SyntheticExpert,
+    build_tiny_model,
+    build_tokenizer,
+    expert_invocations,
+    imitation_train,
+    make_synthetic_world,
+    play_episode,
+)
 from memopd_trl.packing import PackedInvocationCollator  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import action_logprobs, full_logits_action_logprobs  # noqa: E402
-from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
 
 
 # Assistant content that no template renders by itself; the text after it is what follows an action.
@@ -103,7 +107,7 @@ def record_episode(env, record: dict, tokenizer, episode_id: int, eos_ids: set[i
             inv.observation_ids = observation_ids(tokenizer, inv.output_ids, played.observation, eos_ids)
     # Check: the flattened history of turns 0..k-1 is token for token the context a persistent-policy agent gets.
     history = list(invocations[0].input_ids)
-    policy = PersistentMemoryPolicy()
+    policy = FullHistoryMemoryPolicy()
     for turn, inv in enumerate(invocations[1:], start=1):
         previous = invocations[turn - 1]
         history += previous.output_ids + previous.observation_ids

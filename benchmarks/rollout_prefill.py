@@ -1,4 +1,4 @@
-"""Benchmark: the HF rollout's shared prompt prefill (`RolloutEngine(share_prompt_prefill=True)`) against encoding
+"""Benchmark: the HF rollout's shared prompt prefill (`RolloutEngine(share_prefix=True)`) against encoding
 every episode's first context on its own.
 
 The `num_generations` episodes of a question start from the same context. With sharing, each distinct context of a
@@ -31,8 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from memopd_trl import RolloutEngine  # noqa: E402
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
-from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
+from memopd_trl.offline import build_tiny_model, build_tokenizer  # noqa: E402
 
 
 SECTION = "## Rollout: shared prompt prefill"
@@ -78,7 +77,7 @@ def main_job(args) -> dict | None:
             max_new_tokens=config.max_new_tokens,
             max_prompt_length=config.max_prompt_length,
             temperature=config.temperature,
-            share_prompt_prefill=share,
+            share_prefix=share,
         )
         for share in (False, True)
     }
@@ -130,7 +129,7 @@ def long_contexts(args) -> dict:
             max_new_tokens=args.long_new_tokens,
             max_prompt_length=4 * args.long_context,
             eos_token_ids=[vocab + 1],
-            share_prompt_prefill=share,
+            share_prefix=share,
         )
         for share in (False, True)
     }

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from memopd_trl.modeling import build_tiny_model
+from memopd_trl.offline import build_tiny_model
 from memopd_trl.sharding import gathered_for_generation
 
 

@@ -36,10 +36,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
+from memopd_trl.attention import VARLEN_SDPA  # noqa: E402
+from memopd_trl.offline import build_tiny_model  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, split_rows  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
-from memopd_trl.scoring import VARLEN_SDPA, action_logprobs  # noqa: E402
+from memopd_trl.scoring import action_logprobs  # noqa: E402
 
 
 SECTION = "## Shared-prefix packing"

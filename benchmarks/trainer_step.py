@@ -6,7 +6,7 @@ this setup can produce, which is the case where persistent scoring costs the tea
 
 Arms (`--arms`): `aligned` and `persistent` teacher scoring with the diagnostics and the audit off;
 `aligned+diagnostics` (the `distill/*` metrics, computed in the actor step); `aligned+audit` (the alignment audit at
-every step, `audit_steps=1`, timed as `time/audit`).
+every step, `misalignment_audit_steps=1`, timed as `time/audit`).
 
     python benchmarks/trainer_step.py --steps 6
     python benchmarks/trainer_step.py --steps 5 --arms aligned aligned+diagnostics aligned+audit
@@ -23,16 +23,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from memopd_trl.envs.synthetic import make_synthetic_world  # noqa: E402
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
-from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
+from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
 ARMS = {
-    "aligned": dict(teacher_scoring="aligned", distill_diagnostics=False, audit_steps=0),
-    "persistent": dict(teacher_scoring="persistent", distill_diagnostics=False, audit_steps=0),
-    "aligned+diagnostics": dict(teacher_scoring="aligned", distill_diagnostics=True, audit_steps=0),
-    "aligned+audit": dict(teacher_scoring="aligned", distill_diagnostics=False, audit_steps=1),
+    "aligned": dict(teacher_scoring="aligned", distill_diagnostics=False, misalignment_audit_steps=0),
+    "persistent": dict(teacher_scoring="persistent", distill_diagnostics=False, misalignment_audit_steps=0),
+    "aligned+diagnostics": dict(teacher_scoring="aligned", distill_diagnostics=True, misalignment_audit_steps=0),
+    "aligned+audit": dict(teacher_scoring="aligned", distill_diagnostics=False, misalignment_audit_steps=1),
 }
 
 
@@ -80,8 +78,6 @@ def main():
     parser.add_argument("--attn_implementation", default="memopd_sdpa_varlen", help="Attention of both models.")
     parser.add_argument("--arms", nargs="+", default=["aligned", "persistent"], choices=list(ARMS), help="Arms to time.")
     args = parser.parse_args()
-
-    import memopd_trl.scoring  # noqa: F401  (registers the varlen sdpa attention)
 
     world = make_synthetic_world(64, seed=0)
     tokenizer = build_tokenizer(world.texts(), vocab_size=1024)

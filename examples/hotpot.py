@@ -10,7 +10,7 @@ Offline (no flags, no network; about 12 minutes on 2 CPU cores and 6.5 more per 
 and caches a tiny teacher (imitation of a scripted full-memory expert) and a student start (that teacher taught a
 forgetful habit). Three arms train that same start with the same seed and budget: PPO only (`distill_coef=0`),
 MemOPD (aligned teacher scoring) and MemOPD with persistent-history teacher scoring (the matched control), each
-evaluated greedily on held-out tasks; `memopd_trl.report` writes the F1/EM table, `results.json`, `eval_f1.png` and
+evaluated greedily on held-out tasks; `memopd_trl.offline.report` writes the F1/EM table, `results.json`, `eval_f1.png` and
 the per-turn alignment audit `misalignment.png`. Tiny models: the numbers show the mechanics, not the paper's results.
 
 Real mode (not run in CI): `--model_name_or_path` and `--dataset` (a Hub id or a local HotpotQA .json/.jsonl file).
@@ -38,7 +38,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer, load_hotpotqa, offline
 from memopd_trl.envs.retrieval import corpus_from_records
-from memopd_trl.report import eval_curve, misalignment_curve, summarize, write_report
+from memopd_trl.offline import eval_curve, misalignment_curve, summarize, write_report
 
 
 # What each arm changes in the MemOPDConfig given on the command line ("configured" changes nothing).
@@ -48,7 +48,7 @@ ARMS = {
         "distill_coef": 0.0,
         "teacher_model_name_or_path": None,
         "teacher_generations": 0,
-        "distill_until_divergence": 0.0,
+        "distill_divergence_threshold": 0.0,
     },  # fmt: skip
     "memopd": {"teacher_scoring": "aligned"},
     "memopd_persistent": {"teacher_scoring": "persistent"},
@@ -69,7 +69,7 @@ OFFLINE_DEFAULTS = dict(
     # targets after that are for states it never saw), plus one teacher-played episode per question.
     output_dir="outputs/hotpot", max_steps=160, num_iterations=4, per_device_train_batch_size=8, num_generations=4,
     learning_rate=3e-4, lr_scheduler_type="constant_with_warmup", warmup_steps=20, temperature=0.7, beta=0.0,
-    distill_until_divergence=0.1, distill_divergence_scope="episode", teacher_generations=1,
+    distill_divergence_threshold=0.1, distill_divergence_scope="episode", teacher_generations=1,
     max_turns=4, memory_policy="compact", action_format="memopd", max_new_tokens=96, max_prompt_length=512,
     eval_strategy="steps", eval_steps=40, logging_steps=20, save_strategy="no", report_to="none", bf16=False,
     attn_implementation=offline.VARLEN_ATTENTION,
@@ -109,6 +109,25 @@ class ScriptArguments(offline.OfflineConfig):
     save_models: bool = field(
         default=False, metadata={"help": "Save each arm's model in <output_dir>/seed-<s>/<arm>."}
     )
+    # The environment's settings: this script gives them to the env factory (the library's config does not take them).
+    max_turns: int = field(default=6, metadata={"help": "Turns after which an unanswered episode ends (reward 0)."})
+    memory_policy: str = field(
+        default="compact",
+        metadata={"help": "Context the agent sees each turn: `compact` (task, latest memory, latest observation) or "
+                  "`full_history` (every turn so far).", "choices": ["compact", "full_history"]},
+    )  # fmt: skip
+    action_format: str = field(
+        default="memopd", metadata={"help": "Tag preset of the action grammar.", "choices": ["memopd", "mem1"]}
+    )
+
+
+@dataclass
+class TrainerArguments(MemOPDConfig):
+    """`MemOPDConfig` without its deprecated environment settings, which `ScriptArguments` holds here."""
+
+    memory_policy: str | None = field(default=None, init=False)
+    action_format: str | None = field(default=None, init=False)
+    max_turns: int | None = field(default=None, init=False)
 
 
 @dataclass
@@ -120,15 +139,17 @@ class ModelArguments(ModelConfig):
 
 def parse_args(argv: list[str] | None) -> tuple[ScriptArguments, MemOPDConfig, ModelArguments]:
     """Parse the command line (over a `--config` YAML file, over the offline defaults) and check what it asks for."""
-    parser = TrlParser((ScriptArguments, MemOPDConfig, ModelArguments))
+    parser = TrlParser((ScriptArguments, TrainerArguments, ModelArguments))
     parser.set_defaults(**OFFLINE_DEFAULTS)
     try:
-        args, config, model_args, unknown = parser.parse_args_and_config(argv, return_remaining_strings=True)
+        args, parsed, model_args, unknown = parser.parse_args_and_config(argv, return_remaining_strings=True)
+        # A plain `MemOPDConfig` for the trainer (it is pickled into checkpoints, where a script's class cannot be).
+        config = MemOPDConfig(**{f.name: getattr(parsed, f.name) for f in fields(parsed) if f.init})
     except ValueError as error:  # a value a config rejects
         fail(str(error))
     if unknown:
         flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-        valid = ["--" + f.name for dc in (ScriptArguments, MemOPDConfig, ModelArguments) for f in fields(dc) if f.init]
+        valid = ["--" + f.name for dc in (ScriptArguments, TrainerArguments, ModelArguments) for f in fields(dc) if f.init]
         close = difflib.get_close_matches(flag, valid, n=1)
         fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else " (--help lists them all)"))
     path, real = Path(args.dataset), model_args.model_name_or_path is not None
@@ -195,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"[run] {state.num_processes} process(es) on {state.device.type}, {threads} torch threads each")
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(max_turns=config.max_turns, memory_policy=config.memory_policy, action_format=config.action_format)
+    env = dict(max_turns=args.max_turns, memory_policy=args.memory_policy, action_format=args.action_format)
 
     # Data and models: HotpotQA and given models (real mode), or the offline world and its cached tiny models.
     real = model_args.model_name_or_path is not None

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0.dev0"
 
 # Public name -> module that defines it. Imported lazily so that `import memopd_trl` stays cheap and a user who only
-# needs the metrics or the environments does not pay for torch/transformers start-up.
+# needs the metrics or the environments does not pay for torch/transformers start-up. The offline lab (synthetic
+# world, tiny models, imitation, report) is the subpackage `memopd_trl.offline`, not part of this API.
 _EXPORTS = {
     "Episode": "memopd_trl.records",
     "Invocation": "memopd_trl.records",
@@ -19,26 +20,17 @@ _EXPORTS = {
     "HotpotQAEnv": "memopd_trl.envs.hotpot",
     "BM25Retriever": "memopd_trl.envs.retrieval",
     "load_hotpotqa": "memopd_trl.envs.data",
-    "make_synthetic_world": "memopd_trl.envs.synthetic",
     "PackedInvocationCollator": "memopd_trl.packing",
     "PaddedInvocationCollator": "memopd_trl.packing",
     "RolloutEngine": "memopd_trl.rollout",
     "generalized_jsd_loss": "memopd_trl.losses",
     "chunked_generalized_jsd": "memopd_trl.losses",
-    "build_tokenizer": "memopd_trl.tokenizer",
-    "build_tiny_model": "memopd_trl.modeling",
-    "SyntheticExpert": "memopd_trl.envs.expert",
     "ppo_clip_loss": "memopd_trl.losses",
     "MemOPDConfig": "memopd_trl.config",
     "MemOPDTrainer": "memopd_trl.trainer",
-    "OfflineConfig": "memopd_trl.offline",
-    "make_offline_world": "memopd_trl.offline",
-    "prepare_offline_models": "memopd_trl.offline",
     "multi_answer_f1": "memopd_trl.metrics",
     "multi_answer_em": "memopd_trl.metrics",
     "make_multi_objective_tasks": "memopd_trl.envs.multi",
-    "teacher_takeover": "memopd_trl.diagnostics",
-    "expert_labels": "memopd_trl.diagnostics",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -61,18 +53,11 @@ if TYPE_CHECKING:
     from .envs.base import ActionFormat, MemoryAgentEnv, StepResult
     from .envs.data import load_hotpotqa
     from .envs.hotpot import HotpotQAEnv
+    from .envs.multi import make_multi_objective_tasks
     from .envs.retrieval import BM25Retriever
-    from .envs.synthetic import make_synthetic_world
-    from .envs.expert import SyntheticExpert
     from .losses import chunked_generalized_jsd, generalized_jsd_loss, ppo_clip_loss
-    from .modeling import build_tiny_model
-    from .tokenizer import build_tokenizer
-    from .metrics import exact_match, qa_f1
-    from .offline import OfflineConfig, make_offline_world, prepare_offline_models
+    from .metrics import exact_match, multi_answer_em, multi_answer_f1, qa_f1
     from .packing import PackedInvocationCollator, PaddedInvocationCollator
     from .records import Episode, Invocation
     from .rollout import RolloutEngine
     from .trainer import MemOPDTrainer
-    from .metrics import multi_answer_em, multi_answer_f1
-    from .envs.multi import make_multi_objective_tasks
-    from .diagnostics import expert_labels, teacher_takeover

@@ -1,5 +1,6 @@
 """`MemOPDConfig`: the TRL-style configuration of `MemOPDTrainer`."""
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,8 +14,14 @@ _ATTN_IMPLEMENTATIONS = (
     "flex_attention",
     "flash_attention_2",
     "flash_attention_3",
-    "memopd_sdpa_varlen",  # padding-free packed attention with plain torch sdpa (registered by memopd_trl.scoring)
+    "memopd_sdpa_varlen",  # padding-free packed attention (memopd_trl.attention; MemOPDTrainer registers it)
 )
+
+
+# Deprecated field name -> its new name (see `MemOPDConfig._apply_deprecated_names`).
+_RENAMED_FIELDS = {"distill_until_divergence": "distill_divergence_threshold", "audit_steps": "misalignment_audit_steps"}
+# Environment settings the config still accepts for one release; the env factory takes them.
+_ENV_SETTINGS = ("memory_policy", "action_format", "max_turns")
 
 
 @dataclass
@@ -58,13 +65,10 @@ class MemOPDConfig(_BaseConfig):
 
         > Parameters that control the environment and the rollouts
 
-        memory_policy (`str`, *optional*):
-            Context the agent sees at each turn: `"compact"` (task, latest memory, latest observation) or
-            `"persistent"` (every turn so far). When set, it overrides the env factory's own setting.
-        action_format (`str`, *optional*):
-            Tag preset of the action grammar, `"memopd"` or `"mem1"`; overrides the env factory's when set.
-        max_turns (`int`, *optional*):
-            Turns after which an unanswered episode ends with reward 0; overrides the env factory's when set.
+        memory_policy (`str`, *optional*), action_format (`str`, *optional*), max_turns (`int`, *optional*):
+            Deprecated: environment settings belong to the environment, e.g. `HotpotQAEnv.factory(max_turns=4,
+            memory_policy="compact", action_format="memopd")`. When set, they still override the env factory's own
+            settings, with a warning; they will be removed in the next release.
         max_new_tokens (`int`, *optional*, defaults to `128`):
             Maximum number of tokens sampled per model call.
         max_prompt_length (`int`, *optional*, defaults to `2048`):
@@ -118,13 +122,13 @@ class MemOPDConfig(_BaseConfig):
             each action token's PPO advantage, with `q` the teacher and `p` the rollout policy at the sampled token
             `a`, both at the sampling `temperature`. 0 disables it; it needs a teacher and `ppo_coef > 0`, and can be
             used beside the full-vocabulary distillation loss or instead of it (`distill_coef=0`).
-        distill_until_divergence (`float`, *optional*, defaults to `0.0`):
+        distill_divergence_threshold (`float`, *optional*, defaults to `0.0`):
             Distill each action only up to its first sampled token whose teacher probability (at the sampling
             `temperature`) is below this value, that token included (`memopd_trl.losses.until_first_divergence`):
             after a token the teacher would not have written, its distributions continue a prefix it never saw. The
             PPO term still covers every token. 0 distills every token; it needs `distill_coef > 0`.
         distill_divergence_scope (`str`, *optional*, defaults to `"action"`):
-            Where `distill_until_divergence` stops distilling. `"action"`: each action up to its own first unlikely
+            Where `distill_divergence_threshold` stops distilling. `"action"`: each action up to its own first unlikely
             token. `"episode"`: each episode up to its first unlikely token, every later action included: from there
             on the student's memory holds what the teacher would not have written, and the teacher scores states it
             never visited.
@@ -187,10 +191,17 @@ class MemOPDConfig(_BaseConfig):
             `distill/agreement`, `distill/forward_kl`, `distill/reverse_kl` and `distill/student_entropy` (each also
             over the tokens of rewarded and of unrewarded episodes), from one extra chunked pass over both LM heads
             at the action tokens without gradients.
-        audit_steps (`int`, *optional*, defaults to `10`):
-            With `teacher_scoring="aligned"`, every `audit_steps` steps the teacher also scores the same actions under
+        misalignment_audit_steps (`int`, *optional*, defaults to `10`):
+            With `teacher_scoring="aligned"`, every `misalignment_audit_steps` steps the teacher also scores the same actions under
             the flattened persistent history, and `misalignment/kl_turn_{k}` logs its KL(aligned || persistent) by
             turn. Costs one extra teacher forward on the persistent rows on those steps. 0 disables it.
+
+        > Deprecated names (they still work, with a `FutureWarning`, and will be removed in the next release)
+
+        distill_until_divergence (`float`, *optional*):
+            Now `distill_divergence_threshold`.
+        audit_steps (`int`, *optional*):
+            Now `misalignment_audit_steps`.
     """
 
     _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + ["model_init_kwargs", "teacher_model_init_kwargs"]
@@ -259,16 +270,23 @@ class MemOPDConfig(_BaseConfig):
     memory_policy: str | None = field(
         default=None,
         metadata={
-            "help": "Context the agent sees each turn (`compact` or `persistent`); overrides the env factory's.",
+            "help": "Deprecated (give it to the env factory): context the agent sees each turn (`compact` or "
+            "`full_history`); overrides the env factory's.",
         },
     )
     action_format: str | None = field(
         default=None,
-        metadata={"help": "Tag preset of the action grammar (`memopd` or `mem1`); overrides the env factory's."},
+        metadata={
+            "help": "Deprecated (give it to the env factory): tag preset of the action grammar (`memopd` or `mem1`); "
+            "overrides the env factory's."
+        },
     )
     max_turns: int | None = field(
         default=None,
-        metadata={"help": "Turns after which an unanswered episode ends (reward 0); overrides the env factory's."},
+        metadata={
+            "help": "Deprecated (give it to the env factory): turns after which an unanswered episode ends (reward "
+            "0); overrides the env factory's."
+        },
     )
     max_new_tokens: int = field(default=128, metadata={"help": "Maximum number of tokens sampled per model call."})
     max_prompt_length: int = field(
@@ -338,7 +356,7 @@ class MemOPDConfig(_BaseConfig):
             "Needs a teacher and `ppo_coef` > 0."
         },
     )
-    distill_until_divergence: float = field(
+    distill_divergence_threshold: float = field(
         default=0.0,
         metadata={
             "help": "Distill each action only up to its first sampled token whose teacher probability (at the sampling "
@@ -349,7 +367,7 @@ class MemOPDConfig(_BaseConfig):
     distill_divergence_scope: str = field(
         default="action",
         metadata={
-            "help": "Where `distill_until_divergence` stops: `action` (each action up to its own first unlikely token) "
+            "help": "Where `distill_divergence_threshold` stops: `action` (each action up to its own first unlikely token) "
             "or `episode` (each episode up to its first unlikely token: later states are ones the teacher never saw).",
             "choices": ["action", "episode"],
         },
@@ -423,7 +441,7 @@ class MemOPDConfig(_BaseConfig):
             "tokens (`distill/*`, also split by rewarded/unrewarded episodes) at every update where the teacher scores."
         },
     )
-    audit_steps: int = field(
+    misalignment_audit_steps: int = field(
         default=10,
         metadata={
             "help": "With aligned teacher scoring, every this many steps the teacher also scores the actions under the "
@@ -432,12 +450,42 @@ class MemOPDConfig(_BaseConfig):
         },
     )
 
+    # Deprecated names
+    distill_until_divergence: float | None = field(
+        default=None, metadata={"help": "Deprecated: now `distill_divergence_threshold`."}
+    )
+    audit_steps: int | None = field(default=None, metadata={"help": "Deprecated: now `misalignment_audit_steps`."})
+
     def __post_init__(self):
+        self._apply_deprecated_names()
         if self.bf16 is None:
             # TRL's base turns bf16 on by default, which fails on a CPU-only machine; only do so where it is safe.
             self.bf16 = not self.fp16 and torch.cuda.is_available() and not self.use_cpu
         super().__post_init__()
         self._check()
+
+    def _apply_deprecated_names(self) -> None:
+        """Move a value given under a deprecated name to its new name (then clear the old one), with a warning."""
+        for old, new in _RENAMED_FIELDS.items():
+            value = getattr(self, old)
+            if value is None:
+                continue
+            warnings.warn(
+                f"`MemOPDConfig.{old}` is deprecated and will be removed in the next release; use `{new}` instead.",
+                FutureWarning,
+                stacklevel=4,
+            )
+            setattr(self, new, value)
+            setattr(self, old, None)  # `dataclasses.replace` would otherwise apply it again over a new value
+        env_settings = [name for name in _ENV_SETTINGS if getattr(self, name) is not None]
+        if env_settings:
+            warnings.warn(
+                f"`MemOPDConfig` {env_settings} are environment settings: give them to the env factory (e.g. "
+                "`HotpotQAEnv.factory(max_turns=...)`). They still override its settings in this release and will be "
+                "removed in the next.",
+                FutureWarning,
+                stacklevel=4,
+            )
 
     def _check(self):
         def bad(name: str, allowed: str):
@@ -445,7 +493,7 @@ class MemOPDConfig(_BaseConfig):
 
         for name in (
             "distill_coef", "ppo_coef", "kl_coef", "vf_coef", "epsilon", "cliprange_value", "sampled_kl_coef",
-            "audit_steps",
+            "misalignment_audit_steps",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 bad(name, ">= 0")
@@ -457,8 +505,8 @@ class MemOPDConfig(_BaseConfig):
                 "are never used: set `ppo_coef` > 0, or `sampled_kl_coef=0` (and `distill_coef` > 0 for pure "
                 "distillation)."
             )
-        if not 0.0 <= self.distill_until_divergence < 1.0:
-            bad("distill_until_divergence", "in [0, 1) (a probability; 0 turns it off)")
+        if not 0.0 <= self.distill_divergence_threshold < 1.0:
+            bad("distill_divergence_threshold", "in [0, 1) (a probability; 0 turns it off)")
         if self.teacher_generations < 0:
             bad("teacher_generations", ">= 0")
         if self.teacher_generations > 0 and self.distill_coef == 0:
@@ -468,10 +516,10 @@ class MemOPDConfig(_BaseConfig):
             )
         if self.distill_divergence_scope not in ("action", "episode"):
             bad("distill_divergence_scope", '"action" or "episode"')
-        if self.distill_until_divergence > 0 and self.distill_coef == 0:
+        if self.distill_divergence_threshold > 0 and self.distill_coef == 0:
             raise ValueError(
-                f"`distill_until_divergence` ({self.distill_until_divergence}) selects the tokens of the distillation "
-                "loss, but `distill_coef` is 0: set `distill_coef` > 0, or `distill_until_divergence=0`."
+                f"`distill_divergence_threshold` ({self.distill_divergence_threshold}) selects the tokens of the distillation "
+                "loss, but `distill_coef` is 0: set `distill_coef` > 0, or `distill_divergence_threshold=0`."
             )
         if not 0.0 <= self.beta <= 1.0:
             bad("beta", "in [0, 1]")
@@ -518,7 +566,7 @@ class MemOPDConfig(_BaseConfig):
         if self.teacher_attn_implementation is not None:
             choices["teacher_attn_implementation"] = _ATTN_IMPLEMENTATIONS
         if self.memory_policy is not None:
-            choices["memory_policy"] = ("compact", "persistent")
+            choices["memory_policy"] = ("compact", "full_history", "persistent")
         if self.action_format is not None:
             choices["action_format"] = ("memopd", "mem1")
         for name, allowed in choices.items():

@@ -12,7 +12,8 @@ below is the total number of sampled tokens in a batch.
   action token, from the same chunked tiles (for logging).
 - [`ppo_clip_loss`], [`kl_penalty`], [`value_loss`]: the reinforcement-learning terms; [`sampled_kl_advantages`], the
   per-token teacher reward `log q(a) - log p(a)` at the sampled token.
-- [`group_normalized_advantages`], [`gae_advantages`], [`broadcast_to_tokens`]: advantage estimators and helpers.
+- [`group_normalized_advantages`], [`gae_advantages`], [`final_reward_gae`], [`broadcast_to_tokens`]: advantage
+  estimators and helpers.
 
 [`chunked_generalized_jsd`] is this project's own rather than TRL's `ChunkedDivergenceFunction`: at 32k entries it
 needed less memory and time on CPU than TRL's with its default or patched tiles, and its token chunk is an argument
@@ -976,6 +977,39 @@ def gae_advantages(
         return advantages[0], returns[0]
     return advantages, returns
 
+
+def final_reward_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    tokens_per_episode: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    [`gae_advantages`] for episodes rewarded once, at their end: the episodes' action tokens, flat in canonical order,
+    are laid out as one padded `(num_episodes, max_tokens)` batch with each final reward on its episode's last token.
+
+    Args:
+        rewards (`torch.Tensor` of shape `(num_episodes,)`):
+            The final reward of each episode.
+        values (`torch.Tensor` of shape `(N,)`):
+            The value of every action token, flat in canonical order (episode by episode).
+        tokens_per_episode (`torch.Tensor` of shape `(num_episodes,)`):
+            The number of action tokens of each episode (they add up to `N`).
+        gamma (`float`, *optional*, defaults to `1.0`), lam (`float`, *optional*, defaults to `1.0`):
+            As in [`gae_advantages`].
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: `(advantages, returns)`, each `(N,)` in canonical order.
+    """
+    width = int(tokens_per_episode.max())
+    mask = torch.arange(width) < tokens_per_episode[:, None]  # (E, T): the action tokens of each episode
+    padded_values = torch.zeros(mask.shape).masked_scatter(mask, values)  # (E, T)
+    last_token = (tokens_per_episode - 1).clamp(min=0)
+    token_rewards = torch.zeros(mask.shape)  # (E, T): the final reward on each episode's last action token
+    token_rewards[torch.arange(len(rewards)), last_token] = torch.where(tokens_per_episode > 0, rewards, 0.0)
+    advantages, returns = gae_advantages(token_rewards, padded_values, gamma=gamma, lam=lam, mask=mask)
+    return advantages[mask], returns[mask]  # row-major order over the mask is canonical order
 
 def broadcast_to_tokens(
     values_per_episode: torch.Tensor, tokens_per_episode: torch.Tensor | list[int]

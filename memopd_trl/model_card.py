@@ -5,8 +5,10 @@ PPO settings, the environment's action format and memory policy, and a snippet t
 with the saved agent (not a plain chat example: the agent only makes sense inside its environment's loop).
 """
 
+import importlib
 import os
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -20,7 +22,7 @@ CARD_SETTINGS = (
     "beta",
     "distill_temperature",
     "teacher_scoring",
-    "distill_until_divergence",
+    "distill_divergence_threshold",
     "distill_divergence_scope",
     "teacher_generations",
     "ppo_coef",
@@ -214,4 +216,29 @@ def build_model_card(
         trl_version=version("trl"),
         transformers_version=version("transformers"),
         pytorch_version=version("torch"),
+    )
+
+
+def hub_network_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub client raises when the Hub cannot be reached: `OfflineModeIsEnabled` and socket errors are
+    `ConnectionError`s; the HTTP client's transport errors (connection, timeout, proxy) are its own."""
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module in ("httpx2", "httpx", "requests"):
+        try:
+            library = importlib.import_module(module)
+        except ImportError:
+            continue
+        error = getattr(library, "TransportError", None) or getattr(library, "ConnectionError", None)
+        if isinstance(error, type) and issubclass(error, BaseException):
+            errors.append(error)
+    return tuple(errors)
+
+
+def hub_unreachable_error(err: BaseException, output_dir: str, hub_model_id: str | None) -> ConnectionError:
+    """The error `push_to_hub` raises when the Hub cannot be reached, after the model and its card were saved."""
+    repo = hub_model_id or Path(output_dir).absolute().name
+    return ConnectionError(
+        f"push_to_hub could not reach the Hugging Face Hub ({type(err).__name__}: {err}). Nothing was uploaded; the "
+        f"model and its card are saved in {output_dir!r}. Push them later, once online (and without "
+        f"HF_HUB_OFFLINE=1), with `trainer.push_to_hub()`, or from a shell: `hf upload {repo} {output_dir}`."
     )

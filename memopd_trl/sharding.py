@@ -181,3 +181,56 @@ def _reshards_after_forward(unit: nn.Module, is_root: bool) -> bool:
     if is_root and state._auto_reshard_after_forward:
         return False
     return any(group.post_forward_mesh_info is not None for group in state._fsdp_param_groups)
+
+
+@contextmanager
+def deferred_gradient_sync(accelerator: Accelerator, model: nn.Module) -> Iterator[None]:
+    """
+    No gradient reduction across processes for the backward passes inside (every packed row of a batch but its last:
+    the reduction waits for the last row, as it would for the last micro-batch of a gradient accumulation).
+    """
+    sync = accelerator.sync_gradients
+    if accelerator.num_processes == 1:
+        yield
+    elif accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # `accelerator.backward` tells the engine it is not at an accumulation boundary: no reduction, no step.
+        accelerator.gradient_state._set_sync_gradients(False)
+        try:
+            yield
+        finally:
+            accelerator.gradient_state._set_sync_gradients(sync)
+    elif accelerator.is_fsdp2:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(sync)  # as the accumulation around this micro-batch wants it
+    else:
+        with accelerator.no_sync(model):
+            yield
+
+
+def rows_for_every_process(accelerator: Accelerator, num_rows: int) -> int | None:
+    """
+    How many rows this process forwards for a batch of `num_rows`: with sharded weights every forward is collective,
+    so every process runs as many as the process with the most (the others run rows of one padding token and no
+    action); otherwise `None` (its own). Collective when sharded.
+    """
+    if not is_sharded(accelerator) or accelerator.num_processes == 1:
+        return None
+    count = torch.tensor([num_rows], device=accelerator.device)
+    return int(accelerator.gather(count).max())
+
+
+def idle_loss(model: nn.Module, accelerator: Accelerator, pad_token_id: int) -> torch.Tensor:
+    """
+    A zero loss for an update that is skipped. This process still runs a backward pass, because the others'
+    gradients are reduced with its own (their batches may be fine). Under DDP a sum over every trained parameter gives
+    each a (zero) gradient, so the reducer joins the same all-reduce as the other processes. With sharded weights the
+    parameters are shards outside a forward, so a one-token forward gives the zero gradients and runs the same
+    collectives as the others' forward and backward (every process skips there together).
+    """
+    if not is_sharded(accelerator):
+        return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+    token = torch.full((1, 1), pad_token_id, dtype=torch.long, device=accelerator.device)
+    return model(input_ids=token, use_cache=False).logits.sum() * 0.0

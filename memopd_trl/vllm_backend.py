@@ -181,3 +181,61 @@ def _prefix_caching(llm) -> bool | None:
     config = getattr(getattr(llm, "llm_engine", None), "cache_config", None)
     enabled = getattr(config, "enable_prefix_caching", None)
     return None if enabled is None else bool(enabled)
+
+
+
+class ColocatedVLLM:
+    """
+    The student's vLLM engine in a `MemOPDTrainer`: TRL's `VLLMGeneration`, colocated on this process's GPU and built
+    from the student's checkpoint, with TRL's weight sync, and the training step whose weights the engine holds.
+
+    The rollout engine generates with its `vllm.LLM` (`llm`). `play` pushes the student's weights into the engine
+    first when they changed since the last push, or were never pushed: the engine starts from the checkpoint on disk,
+    not from the student in memory.
+    """
+
+    def __init__(self, model, accelerator, processing_class, args):
+        # Imported here: with vLLM installed TRL's module imports it, and a vLLM version TRL does not support must not
+        # break `import memopd_trl` for runs that do not use vLLM.
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        self.generation = VLLMGeneration(
+            model=model,
+            accelerator=accelerator,
+            processing_class=processing_class,
+            mode="colocate",
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+            max_model_length=args.vllm_max_model_length or args.max_prompt_length + args.max_new_tokens,
+            enable_sleep_mode=args.vllm_enable_sleep_mode,
+            trust_remote_code=args.trust_remote_code,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_completion_length=args.max_new_tokens,
+        )
+        self.sleep_between_rollouts = args.vllm_enable_sleep_mode
+        self.synced_step: int | None = None  # the training step of the weights in the engine (None: unknown)
+
+    @property
+    def llm(self):
+        return self.generation.llm
+
+    def sync_weights(self) -> None:
+        """Push the student's weights into the engine (collective: every process calls it)."""
+        self.generation.sync_weights()  # merges PEFT adapters, gathers shards
+
+    def play(self, engine, records: list[dict[str, Any]], num_generations: int, greedy: bool, step: int):
+        """`engine.rollout` on the engine, holding the student's weights of training step `step`. Collective."""
+        if self.synced_step != step:
+            self.sync_weights()
+            self.synced_step = step
+        if not self.sleep_between_rollouts:
+            return engine.rollout(records, num_generations=num_generations, greedy=greedy)
+        # `sync_weights` woke the weights; the KV cache is only needed while the rollout runs.
+        self.llm.wake_up(tags=["kv_cache"])
+        try:
+            return engine.rollout(records, num_generations=num_generations, greedy=greedy)
+        finally:
+            # Level 2 discards the weights as well, so the next rollout must push them again.
+            self.llm.sleep(level=2)
+            self.synced_step = None

@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from memopd_trl.envs.hotpot import HotpotQAEnv
-from memopd_trl.envs.synthetic import make_synthetic_world
-from memopd_trl.modeling import build_tiny_model
-from memopd_trl.tokenizer import build_tokenizer
+from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world
 
 
 HOTPOT_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"

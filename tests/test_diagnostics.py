@@ -1,18 +1,21 @@
-"""memopd_trl.diagnostics: the teacher takeover measure and expert labels of student-visited states."""
+"""memopd_trl.offline.diagnostics: the teacher takeover measure and expert labels of student-visited states."""
 
 import pytest
 import torch
+from test_rollout import CORPUS, RECORDS, factory, rescored_logprobs
 
-from memopd_trl.diagnostics import _scores, expert_labels, teacher_takeover
-from memopd_trl.envs.expert import SyntheticExpert
 from memopd_trl.envs.multi import multi_objective_max_turns
 from memopd_trl.offline import (
     OfflineConfig,
+    SyntheticExpert,
+    build_tiny_model,
+    build_tokenizer,
     load_offline_model,
     load_offline_tokenizer,
     make_offline_world,
     prepare_offline_models,
 )
+from memopd_trl.offline.diagnostics import _scores, expert_labels, takeover_rollout, teacher_takeover
 from memopd_trl.rollout import RolloutEngine
 
 
@@ -104,3 +107,43 @@ def test_expert_labels_need_the_episodes_records(engines):
     episodes, _ = student.rollout(world.train[:1], greedy=True)
     with pytest.raises(ValueError, match="No record with `_id`"):
         expert_labels(student, episodes, world.train[1:2], SyntheticExpert())
+
+
+# ----- takeover: a second model finishes the episodes (on the hand-made environment of test_rollout) -----------------
+def test_takeover_plays_the_first_model_before_the_turn_and_the_second_from_it(make_tiny_model, tiny_tokenizer):
+    first, second = (
+        RolloutEngine(make_tiny_model(seed=seed), tiny_tokenizer, factory(max_turns=3, max_malformed=3),
+                      max_new_tokens=8, temperature=0.7)
+        for seed in (1, 2)
+    )  # fmt: skip
+    own_first, _ = first.rollout(RECORDS, greedy=True)
+    own_second, _ = second.rollout(RECORDS, greedy=True)
+    assert _ids(own_first) != _ids(own_second), "the two models must act differently for the test to mean anything"
+    at_start, _ = takeover_rollout(first, second, RECORDS, takeover_turn=0)
+    assert _ids(at_start) == _ids(own_second)
+    never, _ = takeover_rollout(first, second, RECORDS, takeover_turn=3)
+    assert _ids(never) == _ids(own_first)
+
+    middle, _ = takeover_rollout(first, second, RECORDS, takeover_turn=1)
+    for episode, alone in zip(middle, own_first, strict=True):
+        assert episode.info["takeover_turn"] == 1 and episode.num_turns == 3
+        assert _ids([episode])[0][0] == _ids([alone])[0][0], "turn 0 is the first model's"
+        for invocation in episode.invocations[1:]:  # generated, and so recorded, by the second model
+            expected = rescored_logprobs(second.model, invocation, temperature=0.7)
+            torch.testing.assert_close(torch.tensor(invocation.logprobs), expected, atol=1e-4, rtol=0)
+            assert not torch.allclose(rescored_logprobs(first.model, invocation, 0.7), expected, atol=1e-3)
+    again, _ = first.rollout(RECORDS, greedy=True)
+    assert _ids(again) == _ids(own_first), "the first engine plays alone again after a takeover"
+
+
+def test_takeover_arguments_are_checked(tiny_model, tiny_tokenizer):
+    engine = RolloutEngine(tiny_model, tiny_tokenizer, factory(max_turns=2))
+    with pytest.raises(TypeError, match="`takeover` must be a RolloutEngine"):
+        takeover_rollout(engine, tiny_model, RECORDS, takeover_turn=1)
+    with pytest.raises(ValueError, match="`takeover_turn` must be an int >= 0"):
+        takeover_rollout(engine, engine, RECORDS, takeover_turn=-1)
+    other_tokenizer = build_tokenizer([*CORPUS.values(), *(r["question"] for r in RECORDS)], vocab_size=300)
+    other = RolloutEngine(build_tiny_model(len(other_tokenizer), hidden_size=32, num_hidden_layers=1),
+                          other_tokenizer, factory(max_turns=2))  # fmt: skip
+    with pytest.raises(ValueError, match="`takeover` has another tokenizer"):
+        takeover_rollout(engine, other, RECORDS, takeover_turn=0)

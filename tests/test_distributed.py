@@ -6,6 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+
+pytestmark = pytest.mark.subprocess  # starts other processes: deselect with -m "not subprocess"
+
 
 SCRIPT = Path(__file__).resolve().parent / "distributed" / "two_process_training.py"
 

@@ -6,7 +6,7 @@ from memopd_trl.envs.base import (
     ActionFormat,
     CompactMemoryPolicy,
     MemoryAgentEnv,
-    PersistentMemoryPolicy,
+    FullHistoryMemoryPolicy,
     get_memory_policy,
     parse_action,
 )
@@ -274,8 +274,8 @@ def test_compact_context_holds_task_latest_memory_and_latest_observation_only():
     assert max(sizes) - min(sizes) <= 2  # bounded: only the turn number's digits vary
 
 
-def test_persistent_context_grows_and_contains_every_turn():
-    env = EchoEnv(memory_policy="persistent", max_turns=20)
+def test_full_history_context_grows_and_contains_every_turn():
+    env = EchoEnv(memory_policy="full_history", max_turns=20)
     play(env, 6)
     messages = env.messages()
     assert len(messages) == 2 + 2 * 6
@@ -283,19 +283,19 @@ def test_persistent_context_grows_and_contains_every_turn():
     for i in range(6):
         assert search(f"query {i}", memory=f"memory after turn {i}") in contents
         assert f"<information>result about query {i}</information>" in contents
-    shorter = EchoEnv(memory_policy="persistent", max_turns=20)
+    shorter = EchoEnv(memory_policy="full_history", max_turns=20)
     play(shorter, 3)
     assert sum(map(len, contents)) > sum(map(len, turn_contents(shorter.messages())))
 
 
 def test_memory_policies_resolve_by_name_or_instance():
     assert isinstance(get_memory_policy("compact"), CompactMemoryPolicy)
-    policy = PersistentMemoryPolicy()
+    policy = FullHistoryMemoryPolicy()
     assert get_memory_policy(policy) is policy
 
 
-def test_char_budget_shrinks_persistent_observations_but_never_the_task_or_actions():
-    env = EchoEnv(memory_policy="persistent", max_turns=20, max_observation_chars=4000)
+def test_char_budget_shrinks_full_history_observations_but_never_the_task_or_actions():
+    env = EchoEnv(memory_policy="full_history", max_turns=20, max_observation_chars=4000)
     env.reset(RECORD)
     for i in range(4):
         env.step(search(f"long {i}", memory=f"memory {i}"))
@@ -329,17 +329,23 @@ def test_char_budget_with_compact_policy_spends_the_budget_on_the_carried_turn_o
 
 
 def test_messages_without_budget_are_not_shrunk():
-    env = EchoEnv(memory_policy="persistent")
+    env = EchoEnv(memory_policy="full_history")
     play(env, 2)
     assert env.messages(char_budget=None) == env.messages()
 
 
 # ----- factory ------------------------------------------------------------------------------------------------------
 def test_factory_makes_fresh_environments_with_the_same_settings():
-    make = EchoEnv.factory(max_turns=4, memory_policy="persistent")
+    make = EchoEnv.factory(max_turns=4, memory_policy="full_history")
     first, second = make(), make()
     assert first is not second and isinstance(first, EchoEnv)
-    assert make.env_class is EchoEnv and make.kwargs == {"max_turns": 4, "memory_policy": "persistent"}
+    assert make.env_class is EchoEnv and make.kwargs == {"max_turns": 4, "memory_policy": "full_history"}
     # A plain `functools.partial`, so a trainer can rebuild it with other settings.
     assert isinstance(make, functools.partial) and make.func is EchoEnv and make.keywords == make.kwargs
-    assert first.max_turns == 4 and first.memory_policy.name == "persistent"
+    assert first.max_turns == 4 and first.memory_policy.name == "full_history"
+
+
+def test_the_old_memory_policy_name_persistent_still_works_with_a_warning():
+    with pytest.warns(FutureWarning, match='memory_policy="persistent" is deprecated.*"full_history"'):
+        env = EchoEnv(memory_policy="persistent")
+    assert env.memory_policy.name == "full_history"

@@ -12,7 +12,7 @@ import huggingface_hub
 import pytest
 import torch
 
-from memopd_trl.modeling import build_tiny_model
+from memopd_trl.offline import build_tiny_model
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def test_memopd_arms_refuse_distill_coef_zero(hotpot, tmp_path):
     # The offline recipe's teacher episodes need a distillation term: the config says so first.
     with pytest.raises(SystemExit, match="`distill_coef` is 0"):
         hotpot.main([*SMOKE, "--distill_coef", "0", "--output_dir", str(tmp_path)])
-    off = ["--teacher_generations", "0", "--distill_until_divergence", "0"]
+    off = ["--teacher_generations", "0", "--distill_divergence_threshold", "0"]
     with pytest.raises(SystemExit, match="--distill_coef 0"):
         hotpot.main([*SMOKE, "--distill_coef", "0", *off, "--output_dir", str(tmp_path)])
 
@@ -143,7 +143,7 @@ def test_ppo_arm_runs_under_a_distillation_recipe(hotpot, tmp_path):
     # The MemOPD recipe's distillation-only settings (teacher episodes, the divergence mask) are refused with
     # distill_coef 0; the PPO arm drops them instead of failing after the set-up.
     argv = [*SMOKE, "--arms", "ppo", "--max_steps", "1", "--output_dir", str(tmp_path)]
-    results = hotpot.main(argv + ["--teacher_generations", "1", "--distill_until_divergence", "0.1"])
+    results = hotpot.main(argv + ["--teacher_generations", "1", "--distill_divergence_threshold", "0.1"])
     assert [run["arm"] for run in results["runs"]] == ["ppo"]
 
 

@@ -4,7 +4,10 @@ import statistics
 import pytest
 
 from memopd_trl.envs.base import ActionFormat, parse_action
-from memopd_trl.envs.expert import (
+from memopd_trl.envs.hotpot import HotpotQAEnv
+from memopd_trl.envs.multi import make_multi_objective_tasks, multi_objective_max_turns
+from memopd_trl.envs.retrieval import BM25Retriever
+from memopd_trl.offline.expert import (
     MEMORY_MODES,
     NO_FACTS_MEMORY,
     SyntheticExpert,
@@ -12,10 +15,7 @@ from memopd_trl.envs.expert import (
     make_mistake,
     play_episode,
 )
-from memopd_trl.envs.hotpot import HotpotQAEnv
-from memopd_trl.envs.multi import make_multi_objective_tasks, multi_objective_max_turns
-from memopd_trl.envs.retrieval import BM25Retriever
-from memopd_trl.envs.synthetic import make_synthetic_world, parse_question
+from memopd_trl.offline.world import make_synthetic_world, parse_question
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +98,8 @@ def test_expert_only_reads_the_messages_it_is_given(world, retriever):
         assert fresh(messages) == action  # stateless: the same messages give the same action
 
 
-def test_expert_works_with_the_persistent_policy_and_the_mem1_format(world, retriever):
-    for kwargs in ({"memory_policy": "persistent"}, {"action_format": "mem1"}):
+def test_expert_works_with_the_full_history_policy_and_the_mem1_format(world, retriever):
+    for kwargs in ({"memory_policy": "full_history"}, {"action_format": "mem1"}):
         episodes = expert_trajectories(world, HotpotQAEnv.factory(retriever=retriever, **kwargs), limit=30)
         assert statistics.mean(e.f1 for e in episodes) == 1.0
     mem1_episode = expert_trajectories(world, HotpotQAEnv.factory(retriever=retriever, action_format="mem1"), limit=1)

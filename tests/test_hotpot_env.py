@@ -87,14 +87,14 @@ def test_reset_rejects_records_naming_the_id_and_field(record, match):
 
 
 def test_factory_builds_the_retriever_once_and_shares_it():
-    make = HotpotQAEnv.factory(corpus=CORPUS, top_k=2, max_turns=4, memory_policy="persistent")
+    make = HotpotQAEnv.factory(corpus=CORPUS, top_k=2, max_turns=4, memory_policy="full_history")
     first, second = make(), make()
     assert first is not second
     assert isinstance(make.retriever, BM25Retriever)
     assert first.retriever is make.retriever and second.retriever is make.retriever
     assert make.env_class is HotpotQAEnv
     assert make.kwargs["top_k"] == 2 and make.kwargs["max_turns"] == 4 and make.kwargs["retriever"] is make.retriever
-    assert (first.top_k, first.max_turns, first.memory_policy.name) == (2, 4, "persistent")
+    assert (first.top_k, first.max_turns, first.memory_policy.name) == (2, 4, "full_history")
 
 
 def test_factory_uses_a_given_retriever():

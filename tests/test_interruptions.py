@@ -15,6 +15,9 @@ import torch
 from interruption_run import MAX_STEPS, build_trainer
 
 
+pytestmark = pytest.mark.subprocess  # starts other processes: deselect with -m "not subprocess"
+
+
 SCRIPT = Path(__file__).resolve().parent / "interruption_run.py"
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", CUDA_VISIBLE_DEVICES="")
 

@@ -6,7 +6,6 @@ import pytest
 
 from memopd_trl.envs.base import ActionFormat, parse_action
 from memopd_trl.envs.data import validate_record
-from memopd_trl.envs.expert import expert_trajectories, play_episode
 from memopd_trl.envs.hotpot import HotpotQAEnv
 from memopd_trl.envs.multi import (
     MULTI_ANSWER_SEPARATOR,
@@ -15,7 +14,7 @@ from memopd_trl.envs.multi import (
     parse_sub_questions,
 )
 from memopd_trl.envs.retrieval import corpus_from_records
-from memopd_trl.envs.synthetic import make_synthetic_world
+from memopd_trl.offline import expert_trajectories, make_synthetic_world, play_episode
 
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"

@@ -1,4 +1,4 @@
-"""memopd_trl.offline: the synthetic world, its tokenizer, and the cached tiny teacher and student start."""
+"""memopd_trl.offline.setup: the offline world, its tokenizer, and the cached tiny teacher and student start."""
 
 import copy
 import dataclasses
@@ -12,17 +12,18 @@ from tokenizers import Tokenizer
 
 from memopd_trl import MemOPDConfig, MemOPDTrainer
 from memopd_trl.envs.multi import multi_objective_max_turns
-from memopd_trl.envs.synthetic import NAME_SYLLABLES
 from memopd_trl.offline import (
+    NAME_SYLLABLES,
+    RECIPE_VERSION,
     OfflineConfig,
     cached_start_scores,
     greedy_scores,
     load_offline_model,
     load_offline_tokenizer,
     make_offline_world,
-    offline_recipes,
     prepare_offline_models,
 )
+from memopd_trl.offline.setup import offline_recipes
 
 
 TINY = dict(
@@ -31,15 +32,8 @@ TINY = dict(
     student_warmup_questions=8, student_epochs=0.5, imitation_tokens_per_batch=1024,
 )  # fmt: skip
 GENERATION = dict(max_new_tokens=12, max_prompt_length=512)
-# A memory-needing world: two sub-questions per task, a shared pretraining, a forgetful student expert, DAgger states.
-MULTI = dict(TINY, num_sub_questions=2, pretrain_questions=12, student_expert_memory="latest", dagger_questions=4)
-# The recipe of a model of the default config, as it was before the later options existed (the cache stays valid).
-DEFAULT_RECIPE_KEYS = {
-    "num_train_questions", "num_eval_questions", "world_seed", "comparison_fraction", "retrieval_top_k",
-    "max_malformed", "system_prompt", "vocab_size", "copy_warmup_sequences", "copy_learning_rate",
-    "expert_mistake_prob", "imitation_tokens_per_batch", "context_weight", "top_k", "max_turns", "hidden_size",
-    "layers", "epochs", "learning_rate",
-}  # fmt: skip
+# A memory-needing world: two sub-questions per task, a shared pretraining, a forgetful student expert.
+MULTI = dict(TINY, num_sub_questions=2, pretrain_questions=12, student_expert_memory="latest")
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +57,8 @@ def test_config_rejects_bad_values_naming_the_field():
         OfflineConfig(num_sub_questions=0)
     with pytest.raises(ValueError, match="`student_expert_memory` must be one of"):
         OfflineConfig(student_expert_memory="some")
-    with pytest.raises(ValueError, match="`dagger_questions` must be >= 0"):
-        OfflineConfig(dagger_questions=-1)
+    with pytest.raises(ValueError, match="`pretrain_questions` must be >= 0"):
+        OfflineConfig(pretrain_questions=-1)
     with pytest.raises(ValueError, match="`pretrain_questions` \\(7000\\) exceeds `num_train_questions`"):
         OfflineConfig(pretrain_questions=7000)
     with pytest.raises(ValueError, match="`pretrain_epochs` must be > 0"):
@@ -183,15 +177,47 @@ def test_cached_start_scores_hold_only_under_the_same_settings(built):
     assert cached_start_scores(setup, make_offline_world(config, max_turns=2), **GENERATION) is None
 
 
-def test_default_recipe_leaves_the_later_options_out():
+def test_the_recipe_holds_the_version_and_every_setting_of_its_model():
     config = OfflineConfig(**TINY)
-    recipes = offline_recipes(config, make_offline_world(config, max_turns=3))
-    assert set(recipes["teacher"]) == DEFAULT_RECIPE_KEYS
-    assert set(recipes["student_init"]) == DEFAULT_RECIPE_KEYS | {"warmup_questions"}
+    world = make_offline_world(config, max_turns=3)
+    recipes = offline_recipes(config, world)
+    shared = {name for name in config.settings() if not name.startswith(("teacher_", "student_"))}
+    own = {"hidden_size", "layers", "epochs", "learning_rate"}
+    expected = {"recipe_version"} | shared | set(world.env_settings()) | own
+    assert set(recipes["teacher"]) == expected | {"select_tasks", "select_epochs"}
+    assert set(recipes["student_init"]) == expected | {"warmup_questions", "expert_memory"}
+    assert recipes["teacher"]["recipe_version"] == recipes["student_init"]["recipe_version"] == RECIPE_VERSION
     changed = offline_recipes(OfflineConfig(**MULTI), make_offline_world(OfflineConfig(**MULTI), max_turns=3))
     assert changed["teacher"]["num_sub_questions"] == 2 and changed["student_init"]["expert_memory"] == "latest"
-    assert changed["teacher"]["dagger_student"] == changed["student_init"], "the teacher's data comes from it"
     assert "expert_memory" not in changed["teacher"]
+
+
+def test_a_cache_of_another_version_or_settings_is_rebuilt_with_a_one_line_notice(built, tmp_path, capsys):
+    config, world, out, _ = built
+    shutil.copytree(out, tmp_path / "cache")
+    cache = tmp_path / "cache"
+    info = json.loads((cache / "teacher" / "memopd_setup.json").read_text())
+    del info["recipe"]["recipe_version"]  # as written before versions were recorded
+    (cache / "teacher" / "memopd_setup.json").write_text(json.dumps(info))
+    capsys.readouterr()
+    prepare_offline_models(config, world, cache, **GENERATION)
+    log = capsys.readouterr().out.splitlines()
+    assert (
+        f"[setup] teacher in {cache / 'teacher'}: rebuilding: cached by set-up recipe version 1, this is version "
+        f"{RECIPE_VERSION}" in log
+    )
+    assert (
+        f"[setup] student_init in {cache / 'student_init'}: rebuilding: the teacher, whose tokenizer it shares, "
+        "is rebuilt" in log
+    )
+    rebuilt = json.loads((cache / "teacher" / "memopd_setup.json").read_text())
+    assert rebuilt["recipe"] == offline_recipes(config, world)["teacher"]
+    changed = dataclasses.replace(config, vocab_size=390, student_epochs=0.25)
+    prepare_offline_models(changed, world, cache, **GENERATION)
+    log = capsys.readouterr().out.splitlines()
+    assert f"[setup] teacher in {cache / 'teacher'}: rebuilding: cached with other settings (vocab_size)" in log
+    assert f"[setup] student_init in {cache / 'student_init'}: rebuilding: cached with other settings (epochs, " \
+        "vocab_size)" in log  # fmt: skip
 
 
 def test_multi_objective_world_keeps_held_out_questions_out_of_training():
@@ -229,28 +255,9 @@ def test_multi_objective_setup_reports_capability_and_policy(built_multi):
         assert (info["f1"], info["em"]) == (tasks["f1"], tasks["em"])
         assert info["eval_settings"]["questions"] == [task["_id"] for task in world.evaluation]
         assert info["pretrain_turns"] > 0
-    # The teacher imitates the full expert on every training task and the full expert's labels of the student's
-    # states; the student start imitates the forgetful expert on its warm-up tasks.
-    assert setup["teacher"]["dagger_turns"] > 0
-    assert "dagger_turns" not in setup["student_init"]
-
-
-def test_dagger_teacher_is_rebuilt_when_its_student_changes(built_multi, tmp_path):
-    config, world, out, _ = built_multi
-    shutil.copytree(out, tmp_path / "cache")
-    cache = tmp_path / "cache"
-    stamp = (cache / "teacher" / "model.safetensors").stat().st_mtime_ns
-    prepare_offline_models(config, world, cache, **GENERATION)
-    assert (cache / "teacher" / "model.safetensors").stat().st_mtime_ns == stamp
-    prepare_offline_models(dataclasses.replace(config, student_epochs=0.25), world, cache, **GENERATION)
-    assert (cache / "teacher" / "model.safetensors").stat().st_mtime_ns != stamp
-
-
-def test_too_many_dagger_tasks_is_a_clear_error(tmp_path):
-    config = OfflineConfig(**{**MULTI, "dagger_questions": 13})
-    world = make_offline_world(config, max_turns=3)
-    with pytest.raises(ValueError, match="`dagger_questions` \\(13\\) exceeds the world's 12 training tasks"):
-        prepare_offline_models(config, world, tmp_path)
+    # The teacher imitates the full expert on every training task, the student start the forgetful expert on its
+    # warm-up tasks only.
+    assert setup["student_init"]["expert_turns"] < setup["teacher"]["expert_turns"]
 
 
 # Lookup tasks, one pretraining shared by both models, single questions replayed in the task phase.
@@ -279,11 +286,12 @@ def test_shared_pretraining_and_replay_are_in_the_recipe_and_the_setup(tmp_path,
 def test_a_changed_student_recipe_reuses_the_cached_shared_pretraining_and_trains_the_same_start(tmp_path, capsys):
     world = make_offline_world(OfflineConfig(**SHARED), max_turns=multi_objective_max_turns(2, searches_per_question=1))
     prepare_offline_models(OfflineConfig(**SHARED), world, tmp_path / "cached", **GENERATION)
-    changed = OfflineConfig(**{**SHARED, "student_full_memory_fraction": 0.5})
+    changed = OfflineConfig(**{**SHARED, "student_epochs": 0.25})
     capsys.readouterr()
     prepare_offline_models(changed, world, tmp_path / "cached", **GENERATION)
     log = capsys.readouterr().out
-    assert "reusing the cached teacher" in log and "reusing the cached shared copy warm-up and pretraining" in log
+    assert f"[setup] teacher in {tmp_path / 'cached' / 'teacher'}: reusing the cached model" in log
+    assert "reusing the cached shared copy warm-up and pretraining" in log
     prepare_offline_models(changed, world, tmp_path / "fresh", **GENERATION)
     assert "reusing" not in capsys.readouterr().out
     cached, fresh = (load_offline_model(tmp_path / d / "student_init").state_dict() for d in ("cached", "fresh"))
@@ -291,7 +299,7 @@ def test_a_changed_student_recipe_reuses_the_cached_shared_pretraining_and_train
 
 
 def test_a_student_from_the_teacher_starts_from_its_weights_and_rebuilds_with_it(tmp_path, monkeypatch):
-    import memopd_trl.offline as offline
+    import memopd_trl.offline.setup as offline
 
     starts = {}
     train = offline.train_tiny_agent
@@ -315,43 +323,8 @@ def test_a_student_from_the_teacher_starts_from_its_weights_and_rebuilds_with_it
         OfflineConfig(**{**SHARED, "share_pretraining": False, "student_from_teacher": True, "student_hidden_size": 16})
 
 
-def test_a_student_start_that_has_seen_the_memory_policy_has_it_in_its_recipe():
-    config = OfflineConfig(**{**SHARED, "student_full_memory_fraction": 0.25})
-    world = make_offline_world(config, max_turns=multi_objective_max_turns(2, searches_per_question=1))
-    recipes = offline_recipes(config, world)
-    assert recipes["student_init"]["full_memory_fraction"] == 0.25 and "full_memory_fraction" not in recipes["teacher"]
-    assert "full_memory_fraction" not in offline_recipes(OfflineConfig(**SHARED), world)["student_init"]
-    with pytest.raises(ValueError, match="student_full_memory_fraction"):
-        OfflineConfig(**{**SHARED, "student_full_memory_fraction": 1.5})
-
-
-def test_the_teacher_learns_the_full_experts_actions_in_the_forgetful_experts_states():
-    from memopd_trl.envs.base import parse_action
-    from memopd_trl.offline import _forgetful_state_steps
-
-    config = OfflineConfig(**{**SHARED, "teacher_forgetful_states": 4, "student_expert_memory": "searches"})
-    world = make_offline_world(config, max_turns=4)
-    steps = _forgetful_state_steps(world, config)
-    # Per task: the forgetful play's two searches, then the full expert's recovery (search again, answer).
-    assert len(steps) == 4 * 4
-    fmt = world.env_factory().action_format
-    for messages, action in steps[2::4]:  # the state where the forgetful expert would answer: its memory kept no fact
-        seen = parse_action(messages[-2]["content"], fmt).memory
-        assert seen.startswith("Searched ") and " is " not in seen
-        label = parse_action(action, fmt)
-        assert label.kind == "search" and " is " in label.memory  # the full expert keeps the fact and searches again
-    for task, (messages, action) in zip(world.train, steps[3::4], strict=False):
-        label = parse_action(action, fmt)
-        assert label.kind == "answer" and label.argument == task["answer"]  # every sub-question, in order
-    recipes = offline_recipes(config, world)
-    assert recipes["teacher"]["forgetful_states"] == 4 and recipes["teacher"]["forgetful_memory"] == "searches"
-    assert "forgetful_states" not in recipes["student_init"]
-    with pytest.raises(ValueError, match="teacher_forgetful_states"):
-        OfflineConfig(**{**SHARED, "teacher_forgetful_states": -1})
-
-
 def test_imitation_keeps_the_weights_of_its_best_scored_checkpoint(make_tiny_model, tiny_tokenizer):
-    from memopd_trl.imitation import imitation_train
+    from memopd_trl.offline import imitation_train
     from memopd_trl.records import Invocation
 
     generator = torch.Generator().manual_seed(0)
@@ -386,6 +359,6 @@ def test_a_teacher_chosen_on_set_aside_training_tasks_does_not_imitate_them(tmp_
     assert (log.out + log.err).count("teacher imitation] step") >= 2  # part-way, then after the last step
     plain = prepare_offline_models(OfflineConfig(**TINY), world, tmp_path / "plain", **GENERATION)
     assert setup["teacher"]["expert_turns"] < plain["teacher"]["expert_turns"]  # the 4 tasks' turns are left out
-    assert "select_tasks" not in offline_recipes(OfflineConfig(**TINY), world)["teacher"]
+    assert offline_recipes(OfflineConfig(**TINY), world)["teacher"]["select_tasks"] == 0
     with pytest.raises(ValueError, match="teacher_select_tasks"):
         OfflineConfig(**{**TINY, "teacher_select_tasks": -1})

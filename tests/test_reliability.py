@@ -7,7 +7,6 @@ import ast
 import copy
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -174,11 +173,10 @@ def test_block_scan_finds_the_same_blocks_as_a_regular_expression(text):
 @pytest.mark.parametrize(
     "text", ["<memory>" * 50_000, "<search>" * 50_000 + "</search>", "</memory><memory>" * 30_000]
 )
-def test_degenerate_generations_are_parsed_in_linear_time(text):
-    # A regular-expression scan retried from every unclosed tag: 16 s for 128 kB of "<memory>" (quadratic).
-    start = time.perf_counter()
+def test_degenerate_generations_are_parsed_as_malformed(text):
+    # Hundreds of kB of unclosed tags: a regular-expression scan retried from every one took 16 s on 128 kB
+    # (quadratic); the linear scan's time is measured by benchmarks/linear_time.py (docs/benchmarks.md).
     parsed = parse_action(text, FMT)
-    assert time.perf_counter() - start < 2.0
     assert parsed.kind == "malformed" and "unbalanced" in parsed.error
 
 
@@ -193,7 +191,7 @@ valid_action = st.builds(
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     actions=st.lists(st.one_of(agent_text, valid_action, valid_action), min_size=1, max_size=8),
-    policy=st.sampled_from(["compact", "persistent"]),
+    policy=st.sampled_from(["compact", "full_history"]),
     record=st.sampled_from(RECORDS),
 )
 def test_env_step_on_arbitrary_text_gives_documented_outcomes_and_consistent_counters(actions, policy, record):
@@ -513,7 +511,7 @@ def test_a_context_that_needs_shrinking_is_shrunk_and_counted_and_no_action_is_c
         top_k=1,
         max_turns=3,
         max_observation_chars=4096,
-        memory_policy="persistent",
+        memory_policy="full_history",
     )
     engine = forced_engine(
         tiny_model, tiny_tokenizer, SEARCH_PARIS, env_factory, max_new_tokens=24, max_prompt_length=360
@@ -651,7 +649,7 @@ def test_a_passage_cannot_inject_an_action_through_a_rollout(tiny_model, tiny_to
             calls.append(query)
             return super().search(query, top_k)
 
-    env_factory = make_factory(retriever=CountingRetriever(passage), top_k=1, max_turns=2, memory_policy="persistent")
+    env_factory = make_factory(retriever=CountingRetriever(passage), top_k=1, max_turns=2, memory_policy="full_history")
     engine = forced_engine(tiny_model, tiny_tokenizer, SEARCH_PARIS, env_factory, max_new_tokens=24)
     (episode,), stats = engine.rollout(RECORDS[:1])
     # Only the agent's two searches ran; the passage's <answer> did not end the episode, nor earn a reward.
@@ -729,7 +727,7 @@ def test_remote_code_is_off_and_weights_load_as_safetensors_by_default(
         loads.append(("tokenizer", name, kwargs))
         return tiny_tokenizer
 
-    monkeypatch.setattr("memopd_trl.trainer.create_model_from_path", fake_model)  # TRL's loader
+    monkeypatch.setattr("memopd_trl.validation.create_model_from_path", fake_model)  # TRL's loader
     monkeypatch.setattr("memopd_trl.trainer.AutoTokenizer.from_pretrained", fake_tokenizer)
     MemOPDTrainer(
         model="org/student", teacher_model="org/teacher", args=args, train_dataset=RECORDS,
@@ -809,7 +807,7 @@ def test_a_custom_env_reads_the_current_record_through_a_public_accessor():
 # ----- 11. the default system prompt and duplicate passages ----------------------------------------------------------
 def test_the_default_system_prompt_is_the_environments_own_and_true_for_its_memory_policy():
     compact = HotpotQAEnv(RETRIEVER, memory_policy="compact").system_prompt
-    persistent = HotpotQAEnv(RETRIEVER, memory_policy="persistent").system_prompt
+    persistent = HotpotQAEnv(RETRIEVER, memory_policy="full_history").system_prompt
     custom = RecordScoreEnv().system_prompt
     assert compact.startswith(HotpotQAEnv.role) and "searching a passage corpus" in compact
     assert "only the task, your last memory" in compact and "every earlier action" not in compact

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from memopd_trl.envs.retrieval import BM25Retriever, corpus_from_records
-from memopd_trl.envs.synthetic import make_synthetic_world
+from memopd_trl.offline import make_synthetic_world
 
 
 SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"

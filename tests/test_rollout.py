@@ -10,9 +10,8 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LogitsProces
 
 from memopd_trl.envs.base import MemoryAgentEnv
 from memopd_trl.metrics import exact_match, qa_f1
-from memopd_trl.modeling import build_tiny_model
+from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world
 from memopd_trl.rollout import GeneratedAction, RolloutEngine, find_stop
-from memopd_trl.tokenizer import build_tokenizer
 from memopd_trl.vllm_backend import VLLMBackend
 
 
@@ -160,7 +159,7 @@ def test_shared_prompt_prefill_samples_what_one_prefill_per_episode_samples(
 
     def play(share: bool):
         engine = RolloutEngine(model, tiny_tokenizer, factory(max_turns=3), max_new_tokens=12, temperature=0.7,
-                               share_prompt_prefill=share)  # fmt: skip
+                               share_prefix=share)  # fmt: skip
         torch.manual_seed(0)
         return engine.rollout(RECORDS, num_generations=3)
 
@@ -198,11 +197,11 @@ def test_shared_prompt_prefill_turns_itself_off_for_a_forward_that_cannot_take_i
     model.load_state_dict(base.state_dict())
     engine = RolloutEngine(model, tiny_tokenizer, factory(max_turns=2), max_new_tokens=8, temperature=0.7)
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match="share_prompt_prefill is turned off"):
+    with pytest.warns(UserWarning, match=r"share_prefix \(shared prompt prefill\) is turned off"):
         episodes, stats = engine.rollout(RECORDS[:2], num_generations=2)
-    assert not engine.share_prompt_prefill and stats["num_shared_prefill_tokens"] == 0
+    assert not engine.share_prefix and stats["num_shared_prefill_tokens"] == 0
     alone = RolloutEngine(base, tiny_tokenizer, factory(max_turns=2), max_new_tokens=8, temperature=0.7,
-                          share_prompt_prefill=False)  # fmt: skip
+                          share_prefix=False)  # fmt: skip
     torch.manual_seed(0)
     expected, _ = alone.rollout(RECORDS[:2], num_generations=2)
     assert [[i.output_ids for i in e.invocations] for e in episodes] == [
@@ -320,14 +319,14 @@ def test_an_empty_generation_reaches_the_env_as_an_empty_malformed_action(tiny_m
 def test_compact_contexts_stay_bounded_while_persistent_contexts_grow(tiny_model, tiny_tokenizer):
     action = "<memory>Paris is the capital</memory><search>paris</search>"
     lengths = {}
-    for policy in ("compact", "persistent"):
+    for policy in ("compact", "full_history"):
         engine = forced_engine(
             tiny_model, tiny_tokenizer, action, factory(max_turns=5, memory_policy=policy), max_new_tokens=30
         )
         (episode,), _ = engine.rollout(RECORDS[1:2])
         lengths[policy] = [len(inv.input_ids) for inv in episode.invocations]
     assert len(set(lengths["compact"][1:])) == 1 and max(lengths["compact"]) < 2 * lengths["compact"][0]
-    assert all(a < b for a, b in pairwise(lengths["persistent"]))
+    assert all(a < b for a, b in pairwise(lengths["full_history"]))
 
 
 def test_observation_ids_rebuild_the_persistent_history_exactly(tiny_model, tiny_tokenizer):
@@ -335,7 +334,7 @@ def test_observation_ids_rebuild_the_persistent_history_exactly(tiny_model, tiny
     # sampled action and its observation ids, token for token.
     action = "<memory>Mozart 1756</memory><search>mozart</search>"
     engine = forced_engine(
-        tiny_model, tiny_tokenizer, action, factory(max_turns=4, memory_policy="persistent"), max_new_tokens=30
+        tiny_model, tiny_tokenizer, action, factory(max_turns=4, memory_policy="full_history"), max_new_tokens=30
     )
     episodes, _ = engine.rollout(RECORDS[:2])
     for episode in episodes:
@@ -350,7 +349,7 @@ def test_observation_ids_rebuild_the_persistent_history_exactly(tiny_model, tiny
 
 def test_persistent_contexts_extend_the_previous_context_even_for_garbage_actions(tiny_model, tiny_tokenizer):
     engine = RolloutEngine(
-        tiny_model, tiny_tokenizer, factory(max_turns=3, max_malformed=3, memory_policy="persistent"), max_new_tokens=8
+        tiny_model, tiny_tokenizer, factory(max_turns=3, max_malformed=3, memory_policy="full_history"), max_new_tokens=8
     )
     torch.manual_seed(1)
     episodes, _ = engine.rollout(RECORDS, num_generations=2)
@@ -444,6 +443,28 @@ def test_finished_episodes_leave_the_batch(tiny_model, tiny_tokenizer):
     episodes, _ = engine.rollout(records, num_generations=2)
     assert engine.batch_sizes == [2, 2, 2]
     assert [e.failed for e in episodes] == [False, False, True, True]
+
+
+def test_the_public_steps_are_those_the_rollout_takes(tiny_model, tiny_tokenizer):
+    # `generate` is called once per turn with every live context, all at that turn; `prompt_ids` renders exactly the
+    # recorded contexts; `action_text` is what the environment receives.
+    class CountingEngine(ScriptedEngine):
+        def generate(self, batch_prompt_ids, stop_strings, greedy=False):
+            self.calls.append(list(batch_prompt_ids))
+            return super().generate(batch_prompt_ids, stop_strings, greedy)
+
+    action = "<memory>m</memory><search>paris</search> and more"
+    env_factory = factory(max_turns=2)
+    engine = CountingEngine(tiny_model, tiny_tokenizer, env_factory, action=action)
+    engine.calls = []
+    episodes, _ = engine.rollout(RECORDS, num_generations=2)
+    assert [len(call) for call in engine.calls] == [6, 6]
+    for turn, call in enumerate(engine.calls):
+        assert call == [episode.invocations[turn].input_ids for episode in episodes]
+    first_env = env_factory.envs[0]
+    assert engine.prompt_ids(first_env.reset(RECORDS[0])) == episodes[0].invocations[0].input_ids
+    assert first_env.received[0] == engine.action_text(episodes[0].invocations[0].output_ids, first_env.stop_strings)
+    assert engine.action_text(episodes[0].invocations[0].output_ids, ["</search>"]).endswith("</search>")
 
 
 def test_progress_bar_only_when_asked(tiny_model, tiny_tokenizer, capsys):
@@ -591,8 +612,7 @@ def test_vllm_backend_produces_the_same_invocations_through_the_engine(tiny_toke
 # ----- the real environments, when they are available ---------------------------------------------------------------
 def test_rollout_plays_hotpotqa_env_on_the_synthetic_world():
     hotpot = pytest.importorskip("memopd_trl.envs.hotpot", reason="memopd_trl.envs.hotpot is not available yet")
-    synthetic = pytest.importorskip("memopd_trl.envs.synthetic", reason="memopd_trl.envs.synthetic is not available")
-    world = synthetic.make_synthetic_world(num_questions=3, seed=0)
+    world = make_synthetic_world(num_questions=3, seed=0)
     tokenizer = build_tokenizer(world.texts(), vocab_size=600)
     model = build_tiny_model(len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, seed=7)
     env_factory = hotpot.HotpotQAEnv.factory(corpus=world.corpus, max_turns=2)
@@ -637,45 +657,3 @@ def test_rollout_searches_real_hotpotqa_passages_within_the_prompt_limit(
         first, second = episode.invocations
         assert len(second.input_ids) <= 400
         assert records[0]["context"][0][1][0][:20] in tiny_tokenizer.decode(first.observation_ids)
-
-
-# ----- takeover: a second model finishes the episodes -----------------------------------------------------------------
-def _ids(episodes):
-    return [[(inv.input_ids, inv.output_ids) for inv in episode.invocations] for episode in episodes]
-
-
-def test_takeover_plays_the_first_model_before_the_turn_and_the_second_from_it(make_tiny_model, tiny_tokenizer):
-    first, second = (
-        RolloutEngine(make_tiny_model(seed=seed), tiny_tokenizer, factory(max_turns=3, max_malformed=3),
-                      max_new_tokens=8, temperature=0.7)
-        for seed in (1, 2)
-    )  # fmt: skip
-    own_first, _ = first.rollout(RECORDS, greedy=True)
-    own_second, _ = second.rollout(RECORDS, greedy=True)
-    assert _ids(own_first) != _ids(own_second), "the two models must act differently for the test to mean anything"
-    at_start, _ = first.rollout(RECORDS, greedy=True, takeover=second, takeover_turn=0)
-    assert _ids(at_start) == _ids(own_second)
-    never, _ = first.rollout(RECORDS, greedy=True, takeover=second, takeover_turn=3)
-    assert _ids(never) == _ids(own_first)
-
-    middle, _ = first.rollout(RECORDS, greedy=True, takeover=second, takeover_turn=1)
-    for episode, alone in zip(middle, own_first, strict=True):
-        assert episode.info["takeover_turn"] == 1 and episode.num_turns == 3
-        assert _ids([episode])[0][0] == _ids([alone])[0][0], "turn 0 is the first model's"
-        for invocation in episode.invocations[1:]:  # generated, and so recorded, by the second model
-            expected = rescored_logprobs(second.model, invocation, temperature=0.7)
-            torch.testing.assert_close(torch.tensor(invocation.logprobs), expected, atol=1e-4, rtol=0)
-            assert not torch.allclose(rescored_logprobs(first.model, invocation, 0.7), expected, atol=1e-3)
-
-
-def test_takeover_arguments_are_checked(tiny_model, tiny_tokenizer):
-    engine = RolloutEngine(tiny_model, tiny_tokenizer, factory(max_turns=2))
-    with pytest.raises(ValueError, match="`takeover_turn` was given without `takeover`"):
-        engine.rollout(RECORDS, takeover_turn=1)
-    with pytest.raises(ValueError, match="`takeover_turn` must be an int >= 0"):
-        engine.rollout(RECORDS, takeover=engine, takeover_turn=-1)
-    other_tokenizer = build_tokenizer([*CORPUS.values(), *(r["question"] for r in RECORDS)], vocab_size=300)
-    other = RolloutEngine(build_tiny_model(len(other_tokenizer), hidden_size=32, num_hidden_layers=1),
-                          other_tokenizer, factory(max_turns=2))  # fmt: skip
-    with pytest.raises(ValueError, match="`takeover` has another tokenizer"):
-        engine.rollout(RECORDS, takeover=other, takeover_turn=0)

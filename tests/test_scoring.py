@@ -1,6 +1,8 @@
 """State-aligned scoring on real tiny Qwen2 and Llama models (fp32, CPU)."""
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,11 +12,11 @@ from transformers import AttentionInterface
 from transformers.integrations.flex_attention import WrappedFlexAttention
 
 from memopd_trl import scoring
-from memopd_trl.modeling import build_tiny_model
+from memopd_trl.attention import VARLEN_SDPA, register_varlen_attention, varlen_sdpa_attention
+from memopd_trl.offline import build_tiny_model
 from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, gather_actions
 from memopd_trl.records import Invocation
 from memopd_trl.scoring import (
-    VARLEN_SDPA,
     action_hidden_states,
     action_log_distributions,
     action_logprobs,
@@ -328,6 +330,24 @@ def test_flash_varlen_fields_keep_invocations_apart_across_several_rows(invocati
     with torch.no_grad():
         logprobs = action_logprobs(model, packed)
     torch.testing.assert_close(logprobs, _alone(tiny_model("qwen2", "sdpa", 0), invocations)[0], atol=ATOL, rtol=0)
+
+
+def test_the_varlen_attention_is_registered_by_its_function_only_and_again_changes_nothing():
+    # Importing the library (trainer included) registers nothing with transformers: `register_varlen_attention` does.
+    probe = (
+        "from transformers import AttentionInterface\n"
+        "from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS\n"
+        "import memopd_trl.scoring, memopd_trl.trainer\n"
+        "from memopd_trl.attention import VARLEN_SDPA, register_varlen_attention\n"
+        "before = VARLEN_SDPA in AttentionInterface._global_mapping or VARLEN_SDPA in ALL_MASK_ATTENTION_FUNCTIONS\n"
+        "register_varlen_attention()\n"
+        "print(before, VARLEN_SDPA in AttentionInterface._global_mapping, VARLEN_SDPA in ALL_MASK_ATTENTION_FUNCTIONS)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "True", "True"]
+    register_varlen_attention()
+    register_varlen_attention()
+    assert AttentionInterface._global_mapping[VARLEN_SDPA] is varlen_sdpa_attention
 
 
 def test_varlen_sdpa_student_gradients_equal_those_of_sdpa(packed):

@@ -12,10 +12,11 @@ import torch
 from accelerate.utils import DistributedType
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
-from memopd_trl.envs.synthetic import make_synthetic_world
-from memopd_trl.modeling import build_tiny_model
+from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world
 from memopd_trl.sharding import check_strategy, requested_strategy
-from memopd_trl.tokenizer import build_tokenizer
+
+
+pytestmark = pytest.mark.subprocess  # starts other processes: deselect with -m "not subprocess"
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from memopd_trl import scoring
-from memopd_trl.modeling import build_tiny_model
+from memopd_trl import attention, scoring
+from memopd_trl.attention import TREE_ATTENTION_IMPLEMENTATIONS, VARLEN_SDPA
+from memopd_trl.offline import build_tiny_model
 from memopd_trl.packing import (
     PackedInvocationCollator,
     PaddedInvocationCollator,
@@ -15,13 +16,7 @@ from memopd_trl.packing import (
     split_rows,
 )
 from memopd_trl.records import Invocation
-from memopd_trl.scoring import (
-    TREE_ATTENTION_IMPLEMENTATIONS,
-    VARLEN_SDPA,
-    action_log_distributions,
-    action_logprobs,
-    full_logits_action_logprobs,
-)
+from memopd_trl.scoring import action_log_distributions, action_logprobs, full_logits_action_logprobs
 
 
 VOCAB = 256
@@ -275,7 +270,7 @@ def _leaky_plan(cu_seq_lens_q, cu_seq_lens_k=None, key_index=None):
     return real_segment_plan(cu_seq_lens_q, cu, torch.cat(keys))
 
 
-real_segment_plan = scoring.segment_plan
+real_segment_plan = attention.segment_plan
 
 
 @pytest.mark.parametrize("attn_implementation", [VARLEN_SDPA, "sdpa"])
@@ -283,7 +278,7 @@ def test_the_sibling_leak_test_fails_against_a_mask_that_lets_siblings_see_each_
     attn_implementation, invocations, monkeypatch
 ):
     monkeypatch.setattr(scoring, "tree_attention_mask", _leaky_mask)
-    monkeypatch.setattr(scoring, "segment_plan", _leaky_plan)
+    monkeypatch.setattr(attention, "segment_plan", _leaky_plan)
     m = model("llama", attn_implementation)
     batch = shared(invocations)
     new_batch, siblings = _change_one_remainder(invocations, batch)

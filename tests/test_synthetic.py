@@ -1,13 +1,12 @@
-import time
 from collections import Counter
 
 import pytest
 
 from memopd_trl.envs.data import validate_record
-from memopd_trl.envs.synthetic import (
+from memopd_trl.offline.world import (
     LOOKUP_ANSWER_FIELD,
-    NAME_SYLLABLES,
     LOOKUP_TEMPLATES,
+    NAME_SYLLABLES,
     QUESTION_TEMPLATES,
     SyntheticWorld,
     find_fact,
@@ -180,12 +179,10 @@ def test_bad_arguments_are_rejected(kwargs, match):
 
 
 @pytest.mark.slow
-def test_a_100k_question_world_builds_in_well_under_a_minute():
-    start = time.perf_counter()
+def test_a_100k_question_world_builds():
+    # Its time is measured by benchmarks/linear_time.py (docs/benchmarks.md).
     world = make_synthetic_world(100_000, seed=0)
-    elapsed = time.perf_counter() - start
     assert len(world.records) == 100_000 and len(world.corpus) == 400_000
-    assert elapsed < 45
 
 
 def test_lookups_are_answered_by_their_one_passage_and_leave_other_worlds_unchanged():

@@ -15,6 +15,7 @@ import trl.generation.vllm_generation
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import memopd_trl.trainer as trainer_module
+import memopd_trl.validation as validation_module
 from memopd_trl import MemOPDConfig, MemOPDTrainer
 from memopd_trl.envs.base import MemoryAgentEnv, StepResult
 from memopd_trl.envs.hotpot import HotpotQAEnv
@@ -249,7 +250,7 @@ def test_every_packed_forward_disables_cache_and_mask(
 ):
     # With use_cache=True or an attention mask, transformers silently lets packed invocations attend to each other.
     # With shared prefixes under sdpa the only mask is the tree's own: 4-D, and blocking more than the causal mask.
-    import memopd_trl.trainer as trainer_module
+    import memopd_trl.scoring as scoring_module
 
     student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1)
     seen, scoring = [], []
@@ -266,7 +267,8 @@ def test_every_packed_forward_disables_cache_and_mask(
         if scoring:
             seen.append((kwargs.get("use_cache"), kwargs.get("attention_mask"), kwargs.get("position_ids")))
 
-    monkeypatch.setattr(trainer_module, "action_hidden_states", scored)
+    monkeypatch.setattr(trainer_module, "action_hidden_states", scored)  # the student's forwards in its loss
+    monkeypatch.setattr(scoring_module, "action_hidden_states", scored)  # every other scoring forward, row by row
     hooks = [m.get_decoder().register_forward_pre_hook(spy, with_kwargs=True) for m in (student, teacher)]
     trainer = MemOPDTrainer(
         model=student,
@@ -313,7 +315,7 @@ def test_row_budget_is_4096_tokens_unless_set(
         env_factory=env_factory,
         processing_class=tiny_tokenizer,
     )
-    assert trainer.collator.max_tokens_per_row == trainer.teacher_collator.max_tokens_per_row == expected
+    assert trainer.collator.max_tokens_per_row == trainer.teacher.collators["aligned"].max_tokens_per_row == expected
     trainer.train()
     rows = losses_logged(trainer, "packing/rows")
     assert rows, "packing/rows is logged at every step"
@@ -326,7 +328,7 @@ def test_row_budget_is_4096_tokens_unless_set(
 @pytest.mark.parametrize(
     "settings",
     [
-        dict(distill_until_divergence=0.3, teacher_generations=2, kl_coef=0.1, loss_aggregation="token_mean"),
+        dict(distill_divergence_threshold=0.3, teacher_generations=2, kl_coef=0.1, loss_aggregation="token_mean"),
         dict(advantage_estimator="gae", loss_aggregation="sequence_mean", gradient_accumulation_steps=2),
     ],
     ids=["distill-mask-teacher-play-kl", "gae-sequence-mean-accumulation"],
@@ -354,7 +356,7 @@ def test_rows_forwarded_one_at_a_time_give_the_update_of_one_row(
                 out = pieces(batch)
                 for piece in out:
                     if piece.row is not None:
-                        n = int((piece.row["action_index"] < len(batch["old_logprobs"])).sum())
+                        n = int((piece.row["action_index"] < batch.num_actions).sum())
                         piece.counts = {**piece.counts, "actions": max(n, 1)}
                 return out
 
@@ -447,7 +449,7 @@ def test_the_model_card_names_the_models_and_settings_and_its_snippet_plays_an_e
         teacher_model=str(teacher_dir),
         args=args,
         train_dataset=world.records,
-        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, action_format="mem1", memory_policy="persistent",
+        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, action_format="mem1", memory_policy="full_history",
                                         max_turns=2, system_prompt="Act."),
         processing_class=tiny_tokenizer,
     )  # fmt: skip
@@ -459,10 +461,10 @@ def test_the_model_card_names_the_models_and_settings_and_its_snippet_plays_an_e
     assert f"the local checkpoint `{student_dir}`" in card and f"the local checkpoint `{teacher_dir}`" in card
     for name, value in [("distill_coef", 0.5), ("beta", 0.25), ("teacher_scoring", "persistent"), ("ppo_coef", 0.75)]:
         assert f"| `{name}` | `{value}` |" in card, name
-    assert '`"mem1"`: `<think>`' in card and "| memory policy | `persistent` |" in card
+    assert '`"mem1"`: `<think>`' in card and "| memory policy | `full_history` |" in card
     assert "pipeline(" not in card, "the generic chat example is gone"
     (snippet,) = _python_blocks(card)
-    assert 'action_format="mem1"' in snippet and 'memory_policy="persistent"' in snippet
+    assert 'action_format="mem1"' in snippet and 'memory_policy="full_history"' in snippet
     assert f'from_pretrained("{save_dir}")' in snippet
     namespace: dict = {}
     exec(compile(snippet, "model-card-snippet", "exec"), namespace)  # the card's own usage example runs as written
@@ -595,13 +597,13 @@ def test_config_overrides_the_env_factory_settings(tmp_path, world, env_factory,
     trainer = MemOPDTrainer(
         model=make_tiny_model(seed=0),
         teacher_model=make_tiny_model(seed=1),
-        args=make_config(tmp_path, memory_policy="persistent", max_turns=3, action_format="mem1"),
+        args=make_config(tmp_path, memory_policy="full_history", max_turns=3, action_format="mem1"),
         train_dataset=world.records,
         env_factory=env_factory,
         processing_class=tiny_tokenizer,
     )
     env = trainer.env_factory()
-    assert env.memory_policy.name == "persistent" and env.max_turns == 3
+    assert env.memory_policy.name == "full_history" and env.max_turns == 3
     assert env.action_format.memory_tag == "think"
     assert env.retriever is env_factory.retriever, "the retriever must be shared, not rebuilt"
 
@@ -731,14 +733,14 @@ def fake_vllm(monkeypatch, make_tiny_model, tiny_tokenizer) -> list[FakeVLLMGene
         built.append(FakeVLLMGeneration(engine_model=make_tiny_model(seed=7), actions=actions, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(trainer_module, "_check_vllm_support", lambda args: None)
+    monkeypatch.setattr(trainer_module, "check_vllm_support", lambda args: None)
     monkeypatch.setattr(trl.generation.vllm_generation, "VLLMGeneration", build)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kwargs: kwargs))
     return built
 
 
 def test_use_vllm_without_vllm_installed_names_the_extra(tmp_path, world, env_factory, make_tiny_model, monkeypatch):
-    monkeypatch.setattr(trainer_module, "is_vllm_available", lambda: False)
+    monkeypatch.setattr(validation_module, "is_vllm_available", lambda: False)
     with pytest.raises(ImportError, match=r"pip install memopd-trl\[vllm\]"):
         MemOPDTrainer(
             model=make_tiny_model(), args=make_config(tmp_path, use_vllm=True, distill_coef=0.0),
@@ -747,7 +749,7 @@ def test_use_vllm_without_vllm_installed_names_the_extra(tmp_path, world, env_fa
 
 
 def test_use_vllm_without_a_gpu_is_a_clear_error(tmp_path, world, env_factory, make_tiny_model, monkeypatch):
-    monkeypatch.setattr(trainer_module, "is_vllm_available", lambda: True)
+    monkeypatch.setattr(validation_module, "is_vllm_available", lambda: True)
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
         MemOPDTrainer(
             model=make_tiny_model(), args=make_config(tmp_path, use_vllm=True, distill_coef=0.0),
@@ -861,7 +863,7 @@ def test_distillation_diagnostics_equal_a_materialized_computation_split_by_rewa
     trainer = MemOPDTrainer(
         model=student,
         teacher_model=teacher,
-        args=make_config(tmp_path, num_generations=4, temperature=1.5, logit_chunk_size=7, audit_steps=0),
+        args=make_config(tmp_path, num_generations=4, temperature=1.5, logit_chunk_size=7, misalignment_audit_steps=0),
         train_dataset=world.records,
         env_factory=ParityRewardEnv.factory(),
         processing_class=tiny_tokenizer,
@@ -939,7 +941,7 @@ def test_alignment_audit_logs_the_teachers_kl_between_contexts_by_turn(
     trainer = MemOPDTrainer(
         model=make_tiny_model(seed=0),
         teacher_model=teacher,
-        args=make_config(tmp_path, max_steps=3, audit_steps=2),
+        args=make_config(tmp_path, max_steps=3, misalignment_audit_steps=2),
         train_dataset=world.records,
         env_factory=env_factory,
         processing_class=tiny_tokenizer,
@@ -969,7 +971,7 @@ def test_alignment_audit_logs_the_teachers_kl_between_contexts_by_turn(
         assert entry["time/audit"] > 0
 
 
-@pytest.mark.parametrize("settings", [{"audit_steps": 0}, {"teacher_scoring": "persistent"}], ids=["off", "persistent"])
+@pytest.mark.parametrize("settings", [{"misalignment_audit_steps": 0}, {"teacher_scoring": "persistent"}], ids=["off", "persistent"])
 def test_alignment_audit_is_off_when_disabled_or_without_aligned_scoring(
     tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, settings
 ):
@@ -982,7 +984,7 @@ def test_alignment_audit_is_off_when_disabled_or_without_aligned_scoring(
         processing_class=tiny_tokenizer,
     )
     trainer.train()
-    assert trainer.audit_collator is None
+    assert not trainer.audit_misalignment and set(trainer.teacher.collators) == {trainer.args.teacher_scoring}
     assert not [key for e in trainer.state.log_history for key in e if key.startswith("misalignment/")]
 
 
@@ -1004,13 +1006,13 @@ def test_sampled_kl_advantage_adds_teacher_minus_rollout_logprobs_at_the_samplin
     )
     rollout = trainer._rollout(world.records[:2])
     batch = trainer._score(rollout)
-    reward_only = trainer._compute_advantages(rollout.episodes, batch["student_rows"])["advantages"]
+    reward_only, _, _ = trainer._compute_advantages(rollout, batch.rows)
     with torch.no_grad():  # by hand: the teacher's full logits at each sampled token, at the sampling temperature
         teacher_logprobs = full_logits_action_logprobs(teacher, rollout.invocations, temperature=1.5)
     old_logprobs = torch.tensor([lp for inv in rollout.invocations for lp in inv.logprobs])
     expected = reward_only + 0.5 * (teacher_logprobs - old_logprobs)
-    torch.testing.assert_close(batch["advantages"], expected, rtol=1e-5, atol=1e-5)
-    assert (batch["advantages"] - reward_only).abs().max() > 0.1, "the teacher term should move the advantages"
+    torch.testing.assert_close(batch.advantages, expected, rtol=1e-5, atol=1e-5)
+    assert (batch.advantages - reward_only).abs().max() > 0.1, "the teacher term should move the advantages"
     (logged,) = trainer._metrics["train"]["distill/sampled_reverse_kl"]
     assert logged == pytest.approx((old_logprobs - teacher_logprobs).mean().item(), rel=1e-4)
 
@@ -1046,7 +1048,7 @@ def test_sampled_kl_advantage_trains_with_ppo_alone_and_needs_a_teacher_and_ppo(
         make_config(tmp_path, sampled_kl_coef=-1.0)
 
 
-def test_distill_until_divergence_distills_each_action_only_up_to_its_first_unlikely_token(
+def test_distill_divergence_threshold_distills_each_action_only_up_to_its_first_unlikely_token(
     tmp_path, world, make_tiny_model, tiny_tokenizer
 ):
     from memopd_trl.losses import chunked_generalized_jsd, until_first_divergence
@@ -1057,27 +1059,27 @@ def test_distill_until_divergence_distills_each_action_only_up_to_its_first_unli
         teacher.get_output_embeddings().weight.mul_(3.0)  # a confident teacher: some sampled tokens fall below 0.2
     trainer = MemOPDTrainer(
         model=student, teacher_model=teacher,
-        args=make_config(tmp_path, distill_until_divergence=0.2, num_generations=4),
+        args=make_config(tmp_path, distill_divergence_threshold=0.2, num_generations=4),
         train_dataset=world.records, env_factory=LengthRewardEnv.factory(), processing_class=tiny_tokenizer,
     )  # fmt: skip
     rollout = trainer._rollout(world.records[:2])
     batch = trainer._score(rollout)
     with torch.no_grad():
         teacher_logprobs = full_logits_action_logprobs(teacher, rollout.invocations, temperature=1.0)
-    expected = until_first_divergence(teacher_logprobs, batch["sequence_ids"], 0.2)
-    assert torch.equal(batch["distill_mask"], expected)
+    expected = until_first_divergence(teacher_logprobs, batch.sequence_ids, 0.2)
+    assert torch.equal(batch.distill_mask, expected)
     assert 0 < expected.sum() < expected.numel(), "the check needs kept and dropped tokens"
     trainer._metrics["train"].clear()
     trainer._batch_loss(student, batch)
     (masked,) = trainer._metrics["train"]["loss/distill"]
-    del batch["distill_mask"]
+    batch.distill_mask = None
     trainer._batch_loss(student, batch)
     _, every_token = trainer._metrics["train"]["loss/distill"]
     assert masked != pytest.approx(every_token), "the mask must change the distillation loss"
-    with pytest.raises(ValueError, match="`distill_until_divergence` .* but `distill_coef` is 0"):
-        make_config(tmp_path, distill_coef=0.0, distill_until_divergence=0.1)
-    with pytest.raises(ValueError, match="`distill_until_divergence` must be in"):
-        make_config(tmp_path, distill_until_divergence=1.0)
+    with pytest.raises(ValueError, match="`distill_divergence_threshold` .* but `distill_coef` is 0"):
+        make_config(tmp_path, distill_coef=0.0, distill_divergence_threshold=0.1)
+    with pytest.raises(ValueError, match="`distill_divergence_threshold` must be in"):
+        make_config(tmp_path, distill_divergence_threshold=1.0)
 
 
 def test_distill_divergence_scope_episode_stops_distilling_the_rest_of_the_episode(
@@ -1089,7 +1091,7 @@ def test_distill_divergence_scope_episode_stops_distilling_the_rest_of_the_episo
     with torch.no_grad():
         teacher.get_output_embeddings().weight.mul_(3.0)
     config = make_config(
-        tmp_path, distill_until_divergence=0.2, distill_divergence_scope="episode", num_generations=4, max_turns=2
+        tmp_path, distill_divergence_threshold=0.2, distill_divergence_scope="episode", num_generations=4, max_turns=2
     )
     trainer = MemOPDTrainer(
         model=student, teacher_model=teacher, args=config, train_dataset=world.records,
@@ -1110,10 +1112,10 @@ def test_distill_divergence_scope_episode_stops_distilling_the_rest_of_the_episo
                 diverged |= teacher_logprobs[i] < math.log(0.2)
                 action_diverged |= teacher_logprobs[i] < math.log(0.2)
                 i += 1
-    assert batch["distill_mask"].tolist() == expected
+    assert batch.distill_mask.tolist() == expected
     assert sum(expected) < sum(action_scope), "the check needs a later action the episode scope drops"
     with pytest.raises(ValueError, match="`distill_divergence_scope` must be"):
-        make_config(tmp_path, distill_until_divergence=0.1, distill_divergence_scope="turn")
+        make_config(tmp_path, distill_divergence_threshold=0.1, distill_divergence_scope="turn")
 
 
 def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
@@ -1124,7 +1126,7 @@ def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
 
     student = make_tiny_model(seed=0)
     teacher = near_copy(student, seed=1, scale=0.5)
-    config = make_config(tmp_path, num_generations=2, teacher_generations=2, beta=0.5, temperature=1.3, audit_steps=0)
+    config = make_config(tmp_path, num_generations=2, teacher_generations=2, beta=0.5, temperature=1.3, misalignment_audit_steps=0)
     trainer = MemOPDTrainer(
         model=student, teacher_model=teacher, args=config, train_dataset=world.records, env_factory=env_factory,
         processing_class=tiny_tokenizer,
@@ -1134,7 +1136,7 @@ def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
     trainer._rollout = lambda records: rollouts.append(rollout(records)) or rollouts[-1]
     batch = trainer._prepare_inputs(world.records[:2])
     own = rollouts[0].invocations
-    played = batch["teacher_play"]["invocations"]
+    played = batch.teacher_play.invocations
     assert len({(inv.group_id, inv.episode_id) for inv in played}) == 4 and len(played) > 4, "2 x 2 multi-turn episodes"
     with torch.no_grad():  # the teacher sampled them: its own log-probs at the sampling temperature are the recorded ones
         recorded = torch.tensor([lp for inv in played for lp in inv.logprobs])
@@ -1150,7 +1152,7 @@ def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
     assert metrics["loss/distill"][0] == pytest.approx(per_token.mean().item(), rel=1e-4)
     num_own = sum(len(inv.output_ids) for inv in own)
     assert metrics["loss/distill_teacher_play"][0] == pytest.approx(per_token[num_own:].mean().item(), rel=1e-4)
-    del batch["teacher_play"]
+    batch.teacher_play = None
     trainer._batch_loss(student, batch)
     assert metrics["loss/ppo"][1] == metrics["loss/ppo"][0], "the teacher's episodes never enter PPO"
     assert metrics["loss/distill"][1] != pytest.approx(metrics["loss/distill"][0])

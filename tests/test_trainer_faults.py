@@ -58,7 +58,7 @@ def test_a_bad_update_between_good_ones_is_skipped_but_the_good_ones_apply(
         batch = score(rollout)
         snapshots[trainer.state.global_step] = params_of(student)
         if trainer.state.global_step == 1:
-            batch["teacher_hidden"] = torch.full_like(batch["teacher_hidden"], float("inf"))
+            batch.teacher.hidden = torch.full_like(batch.teacher.hidden, float("inf"))
         return batch
 
     trainer._score = poison_second_batch
@@ -169,14 +169,14 @@ def test_batched_gae_equals_gae_run_on_each_episode_alone(tmp_path, world, env_f
     batch = trainer._score(rollout)
 
     advantages, returns = [], []  # one episode at a time, as a 1-D sequence of its action tokens
-    for episode, values in zip(rollout.episodes, batch["old_values"].split(lengths), strict=True):
+    for episode, values in zip(rollout.episodes, batch.old_values.split(lengths), strict=True):
         rewards = torch.zeros_like(values)
         rewards[-1:] = episode.reward
         adv, ret = gae_advantages(rewards, values, gamma=0.9, lam=0.8)
         advantages.append(adv)
         returns.append(ret)
-    assert torch.equal(batch["advantages"], torch.cat(advantages))
-    assert torch.equal(batch["returns"], torch.cat(returns))
+    assert torch.equal(batch.advantages, torch.cat(advantages))
+    assert torch.equal(batch.returns, torch.cat(returns))
 
 
 def test_value_head_gradients_are_cleared_after_every_optimizer_step(tmp_path, world, make_tiny_model, tiny_tokenizer):

@@ -1,1 +1,1 @@
-"""Environments of memory agents: the action grammar, memory policies, HotpotQA and its offline synthetic world."""
+"""Environments of memory agents: the action grammar, memory policies, HotpotQA (its loader and BM25 retrieval), multi-objective tasks."""

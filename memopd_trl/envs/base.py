@@ -11,13 +11,14 @@ and a search comes back as ``<information>...</information>``. The tag names are
 ``<think>...</think>``) can act in the format it knows.
 
 What the *next* model call sees is decided by a :class:`MemoryPolicy`: ``compact`` (the MemOPD / MEM1 setting: the
-task, the latest memory and action, the latest observation) or ``persistent`` (every turn so far, the baseline whose
+task, the latest memory and action, the latest observation) or ``full_history`` (every turn so far, the baseline whose
 context grows). Environments speak text and chat messages; they never tokenize.
 """
 
 import functools
 import numbers
 import re
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -276,10 +277,10 @@ class CompactMemoryPolicy(MemoryPolicy):
         return messages
 
 
-class PersistentMemoryPolicy(MemoryPolicy):
+class FullHistoryMemoryPolicy(MemoryPolicy):
     """The growing baseline: system, task, then every action and observation so far."""
 
-    name = "persistent"
+    name = "full_history"
 
     def describe(self) -> str:
         return "Each turn you see the task and every earlier action and result."
@@ -294,13 +295,26 @@ class PersistentMemoryPolicy(MemoryPolicy):
         return messages
 
 
-MEMORY_POLICIES: dict[str, type[MemoryPolicy]] = {"compact": CompactMemoryPolicy, "persistent": PersistentMemoryPolicy}
+MEMORY_POLICIES: dict[str, type[MemoryPolicy]] = {
+    "compact": CompactMemoryPolicy,
+    "full_history": FullHistoryMemoryPolicy,
+}
+# The memory policy's name before "persistent" came to mean only `teacher_scoring="persistent"` (the control).
+PersistentMemoryPolicy = FullHistoryMemoryPolicy
 
 
 def get_memory_policy(policy: "str | MemoryPolicy") -> MemoryPolicy:
-    """Returns the policy named `policy` (`"compact"` or `"persistent"`), or `policy` itself if it is one already."""
+    """Returns the policy named `policy` (`"compact"` or `"full_history"`), or `policy` itself if it is one already."""
     if isinstance(policy, MemoryPolicy):
         return policy
+    if policy == "persistent":
+        warnings.warn(
+            'memory_policy="persistent" is deprecated and will be removed in the next release; use "full_history" (the '
+            'name "persistent" is kept for `teacher_scoring="persistent"`, the persistent-history control).',
+            FutureWarning,
+            stacklevel=3,
+        )
+        policy = "full_history"
     if policy not in MEMORY_POLICIES:
         raise ValueError(f"Unknown memory policy {policy!r}; choose one of {sorted(MEMORY_POLICIES)}.")
     return MEMORY_POLICIES[policy]()
@@ -352,7 +366,7 @@ class MemoryAgentEnv(ABC):
         action_format (`ActionFormat` or `str`, *optional*, defaults to `"memopd"`):
             The tag names, or the name of a preset (`"memopd"`, `"mem1"`).
         memory_policy (`str` or `MemoryPolicy`, *optional*, defaults to `"compact"`):
-            Which context the next call sees: `"compact"` or `"persistent"`.
+            Which context the next call sees: `"compact"` or `"full_history"`.
         max_turns (`int`, *optional*, defaults to `6`):
             Turns after which an unanswered episode ends with reward 0.
         max_malformed (`int`, *optional*, defaults to `2`):

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from trl.models.utils import _ForwardRedirection  # noqa: E402
 
 from memopd_trl.losses import chunked_generalized_jsd, ppo_clip_loss  # noqa: E402
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
+from memopd_trl.offline import build_tiny_model  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import action_hidden_states, action_logprobs_from_hidden, action_token_ids, gathered_lm_head  # noqa: E402

@@ -28,9 +28,7 @@ import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from memopd_trl.envs.synthetic import make_synthetic_world  # noqa: E402
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
-from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
+from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
 # The untrained students earn no reward, so `sampled_kl_coef` gives the PPO term advantages (and a gradient).
@@ -98,7 +96,7 @@ def run_case(name: str, overrides: dict, out_dir: Path, state: PartialState) -> 
         args=MemOPDConfig(
             output_dir=tempfile.mkdtemp(prefix=f"memopd-{name}-{state.process_index}-"), use_cpu=True,
             report_to="none", max_steps=2, per_device_train_batch_size=2, num_generations=2, max_new_tokens=8,
-            save_strategy="no", disable_tqdm=True, seed=0, audit_steps=1, **{"learning_rate": 1e-2, **overrides},
+            save_strategy="no", disable_tqdm=True, seed=0, misalignment_audit_steps=1, **{"learning_rate": 1e-2, **overrides},
         ),
         train_dataset=world.records,
         env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=max_malformed),

@@ -31,9 +31,7 @@ from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
 import memopd_trl.trainer as trainer_module  # noqa: E402
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from memopd_trl.envs.synthetic import make_synthetic_world  # noqa: E402
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
-from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
+from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
 class FakeEngine:
@@ -134,7 +132,7 @@ def run_case(name: str, state: PartialState) -> list[str]:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
-    generation, failures, pushed, worst = trainer.vllm_generation, [], [], [0.0, 0.0]
+    generation, failures, pushed, worst = trainer.vllm_generation.generation, [], [], [0.0, 0.0]  # TRL's
     student = trainer.accelerator.unwrap_model(trainer.model)
     distributed = trainer.accelerator.distributed_type.value
     if distributed != os.environ.get("MEMOPD_EXPECT_DISTRIBUTED_TYPE", distributed):
@@ -153,7 +151,7 @@ def run_case(name: str, state: PartialState) -> list[str]:
         )
         pushed.append(dict(pushes))
 
-    generation.sync_weights = checked_sync  # the trainer's pushes, before its rollouts
+    trainer.vllm_generation.sync_weights = checked_sync  # the trainer's pushes, before its rollouts
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -172,7 +170,7 @@ def run_case(name: str, state: PartialState) -> list[str]:
 def main() -> int:
     state = PartialState()
     # use_vllm on CPU: no vLLM or GPU check, and only `SamplingParams` of vLLM itself (the rollout backend's).
-    trainer_module._check_vllm_support = lambda args: None
+    trainer_module.check_vllm_support = lambda args: None
     sys.modules["vllm"] = types.SimpleNamespace(SamplingParams=lambda **kwargs: kwargs)
     VLLMGeneration._init_vllm = fake_init_vllm
     cases = sys.argv[1:] or ["plain", "lora"]

@@ -20,9 +20,7 @@ import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from memopd_trl.envs.synthetic import make_synthetic_world  # noqa: E402
-from memopd_trl.modeling import build_tiny_model  # noqa: E402
-from memopd_trl.tokenizer import build_tokenizer  # noqa: E402
+from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
 def main() -> int:

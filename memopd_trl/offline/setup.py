@@ -1,4 +1,4 @@
-"""The offline world: a synthetic HotpotQA-format world, its tokenizer, and a tiny teacher and student start.
+"""The set-up of the offline lab: a synthetic HotpotQA-format world, its tokenizer, a tiny teacher and student start.
 
 Everything here runs without a network on a CPU. [`make_offline_world`] makes a seeded synthetic world
 ([`make_synthetic_world`]) split into training and held-out questions, with a BM25-backed [`HotpotQAEnv`] over its
@@ -10,9 +10,10 @@ passages. [`prepare_offline_models`] then builds, or reuses from a cache, the tw
    keeps the expert's own next action, so the teacher has also seen how to recover from states a weak student reaches;
 3. a smaller student warm-started briefly the same way, so that it knows the action format.
 
-Each model is saved with its recipe ([`OfflineConfig`] and the environment's settings) in `memopd_setup.json`; a later
-call with the same recipe reuses it, and a changed recipe rebuilds what depends on it (the student shares the
-teacher's tokenizer, so a new teacher means a new student).
+Each model is saved with its recipe ([`OfflineConfig`], the environment's settings and [`RECIPE_VERSION`]) in
+`memopd_setup.json`; a later call with the same recipe reuses it, and a changed recipe (other settings, or a cache made
+by another version of this set-up) rebuilds what depends on it, with a one-line notice saying why (the student shares
+the teacher's tokenizer, so a new teacher means a new student).
 
 >>> from memopd_trl.offline import OfflineConfig, load_offline_model, make_offline_world, prepare_offline_models
 >>> config = OfflineConfig(
@@ -38,21 +39,22 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from . import scoring  # noqa: F401  (registers the "memopd_sdpa_varlen" attention the tiny models use)
-from .diagnostics import expert_labels
-from .envs.base import parse_action
-from .envs.expert import MEMORY_MODES, SyntheticExpert, expert_trajectories
-from .envs.hotpot import HotpotQAEnv
-from .envs.multi import make_multi_objective_tasks
-from .envs.synthetic import NAME_SYLLABLES, SyntheticWorld, make_synthetic_world
+from ..attention import VARLEN_SDPA, register_varlen_attention
+from ..envs.hotpot import HotpotQAEnv
+from ..envs.multi import make_multi_objective_tasks
+from ..rollout import RolloutEngine
+from .expert import MEMORY_MODES, expert_trajectories
 from .imitation import copy_task_invocations, expert_invocations, imitation_train
 from .modeling import build_tiny_model
-from .rollout import RolloutEngine
 from .tokenizer import build_tokenizer
+from .world import NAME_SYLLABLES, SyntheticWorld, make_synthetic_world
 
 
-VARLEN_ATTENTION = "memopd_sdpa_varlen"
+VARLEN_ATTENTION = VARLEN_SDPA  # the attention the tiny models are trained and loaded with
 SETUP_FILE = "memopd_setup.json"
+# Version of the set-up's recipe: raised whenever the set-up computes something else from the same settings, so that
+# models cached by an older version are rebuilt. Caches made before versions were recorded count as version 1.
+RECIPE_VERSION = 2
 ROLES = ("teacher", "student_init")
 SHARED_PRETRAINING_DIR = "shared_pretraining"  # the base both models fork from, with `share_pretraining`
 
@@ -89,8 +91,8 @@ class OfflineConfig:
             questions (`make_synthetic_world`); 1.0 makes every sub-question of a multi-objective task a lookup, whose
             episode needs `multi_objective_max_turns(k, searches_per_question=1)` turns.
         short_names (`bool`, *optional*, defaults to `False`):
-            Names of two-syllable words with no syllable repeated within a name (`make_synthetic_world`): a tiny
-            model copies them far more reliably than the default two- and three-syllable words.
+            Names of two-syllable words with no syllable repeated within a name (`make_synthetic_world`), instead of
+            two- and three-syllable words.
 
     Parameters that control the models:
         vocab_size (`int`, *optional*, defaults to `768`):
@@ -123,19 +125,10 @@ class OfflineConfig:
             which plays the same searches and answer format.
             A forgetful expert gives a student start that has the capabilities and lacks the memory policy; its traces
             are played without mistakes (after a slip a forgetful expert loses its place and gives up).
-        student_full_memory_fraction (`float`, *optional*, defaults to `0.0`):
-            Fraction of the student start's warm-up tasks (the last ones) whose traces come from the full expert, the
-            rest from the `student_expert_memory` one: a start that has seen the memory policy, can carry it out when
-            it samples it, and mostly does not (the way a pretrained model has skills it does not use). 0 imitates the
-            forgetful expert alone.
         student_from_teacher (`bool`, *optional*, defaults to `False`):
             The student start is a copy of the trained teacher that then imitates the `student_expert_memory` expert
             on `student_warmup_questions` tasks: a start that was taught every skill of the memory policy and then a
             forgetful habit over it (the student sizes must equal the teacher's).
-        dagger_questions (`int`, *optional*, defaults to `0`):
-            Training tasks whose student-visited states are labelled by the full expert and added to the teacher's
-            imitation data (DAgger-style: the teacher then also learns to act in the states a student reaches). The
-            student start plays them sampled at temperature 1; 0 turns it off.
         copy_warmup_sequences (`int`, *optional*, defaults to `16000`):
             Random strings to repeat before imitation (the copy warm-up of both models); 0 turns it off.
         copy_learning_rate (`float`, *optional*, defaults to `5e-3`):
@@ -143,20 +136,12 @@ class OfflineConfig:
         expert_mistake_prob (`float`, *optional*, defaults to `0.2`):
             Probability that a search turn of the expert's traces is played with a mistake (garbled query, repeated
             search, forgotten fact) while the trace keeps the expert's own action.
-        teacher_forgetful_states (`int`, *optional*, defaults to `0`):
-            Training tasks played by the `student_expert_memory` expert (scripted, without mistakes) until it would
-            answer with facts forgotten, then by the full expert, which recovers (searches the forgotten facts again);
-            every state is labelled by the full expert and added to the teacher's imitation data: the states a
-            forgetful start reaches, with the actions that recover from them (DAgger with the scripted forgetful
-            expert as the roll-in policy: no model rollout, no garbled names). 0 turns it off.
         teacher_epochs (`float`, *optional*, defaults to `2.0`):
             Epochs of teacher imitation.
         teacher_select_tasks (`int`, *optional*, defaults to `0`):
             Training tasks set aside from the teacher's imitation data (the last ones of the training split, never
             held-out ones) on which its greedy F1 is measured every `teacher_select_epochs`; the teacher keeps the
-            weights of its best score. A teacher trained for a fixed number of epochs can land far from its best
-            (on the default world, float-level changes moved a one-epoch teacher from 0.87 to 0.62 held-out F1).
-            0 keeps the last weights.
+            weights of its best score (why: docs/design.md, "The offline lab"). 0 keeps the last weights.
         teacher_select_epochs (`float`, *optional*, defaults to `0.5`):
             Epochs of teacher imitation between two of those measurements.
         teacher_learning_rate (`float`, *optional*, defaults to `3e-3`):
@@ -214,8 +199,8 @@ class OfflineConfig:
     )  # fmt: skip
     short_names: bool = field(
         default=False,
-        metadata={"help": "Names of two-syllable words with no syllable repeated (`make_synthetic_world`): names a "
-                  "tiny model copies reliably."},
+        metadata={"help": "Names of two-syllable words with no syllable repeated within a name "
+                  "(`make_synthetic_world`), instead of two- and three-syllable words."},
     )  # fmt: skip
 
     # Models
@@ -249,20 +234,10 @@ class OfflineConfig:
         metadata={"help": "Memory of the expert the student start imitates: `full` (the teacher's), or a forgetful "
                   "`latest` (only the latest fact) or `none` (nothing), with the same searches and answer format."},
     )  # fmt: skip
-    student_full_memory_fraction: float = field(
-        default=0.0,
-        metadata={"help": "Fraction of the student start's warm-up tasks played by the full expert instead of the "
-                  "forgetful one: a start that has seen the memory policy and mostly does not follow it."},
-    )  # fmt: skip
     student_from_teacher: bool = field(
         default=False,
         metadata={"help": "Start the student from a copy of the trained teacher, then imitate the forgetful expert: "
                   "the skills of the memory policy with a forgetful habit over them."},
-    )  # fmt: skip
-    dagger_questions: int = field(
-        default=0,
-        metadata={"help": "Training tasks whose student-visited states (sampled at temperature 1) are labelled by the "
-                  "full expert and added to the teacher's imitation data; 0 turns it off."},
     )  # fmt: skip
     copy_warmup_sequences: int = field(
         default=16000,
@@ -275,12 +250,6 @@ class OfflineConfig:
         default=0.2,
         metadata={"help": "Probability that a search turn of the expert's traces is played with a mistake (garbled "
                   "query, repeated search, forgotten fact) while the trace keeps the expert's own action."},
-    )  # fmt: skip
-    teacher_forgetful_states: int = field(
-        default=0,
-        metadata={"help": "Training tasks played by the student's forgetful expert whose every state is labelled by "
-                  "the full expert and added to the teacher's data: the teacher learns to act in the states a "
-                  "forgetful start reaches; 0 turns it off."},
     )  # fmt: skip
     teacher_epochs: float = field(default=2.0, metadata={"help": "Epochs of teacher imitation."})
     teacher_select_tasks: int = field(
@@ -326,9 +295,8 @@ class OfflineConfig:
                 f"`num_sub_questions` ({self.num_sub_questions}) exceeds `num_train_questions` or "
                 f"`num_eval_questions` ({self.num_train_questions}, {self.num_eval_questions}): no task can be made."
             )
-        for name in ("pretrain_questions", "dagger_questions", "teacher_forgetful_states"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"`{name}` must be >= 0 (0 turns it off), got {getattr(self, name)}.")
+        if self.pretrain_questions < 0:
+            raise ValueError(f"`pretrain_questions` must be >= 0 (0 turns it off), got {self.pretrain_questions}.")
         if self.pretrain_questions > self.num_train_questions:
             raise ValueError(
                 f"`pretrain_questions` ({self.pretrain_questions}) exceeds `num_train_questions` "
@@ -354,12 +322,6 @@ class OfflineConfig:
                     f"`{name}` {what}: give the student the teacher's sizes (student {self.student_hidden_size} x "
                     f"{self.student_layers} layers, teacher {self.teacher_hidden_size} x {self.teacher_layers})."
                 )
-        if self.student_from_teacher and self.dagger_questions > 0:
-            raise ValueError("`student_from_teacher` needs the teacher first, `dagger_questions` the student first.")
-        if not 0.0 <= self.student_full_memory_fraction <= 1.0:
-            raise ValueError(
-                f"`student_full_memory_fraction` must be in [0, 1], got {self.student_full_memory_fraction}."
-            )
         if self.student_expert_memory not in MEMORY_MODES:
             raise ValueError(
                 f"`student_expert_memory` must be one of {MEMORY_MODES}, got {self.student_expert_memory!r}."
@@ -376,23 +338,6 @@ class OfflineConfig:
             `dict[str, Any]`: the fields of `OfflineConfig` only (a subclass that adds fields keeps them out).
         """
         return {f.name: getattr(self, f.name) for f in fields(OfflineConfig)}
-
-
-# Options added after the first cached models: a recipe leaves them out at these defaults, so that the models of a
-# default config keep their recipe (and their cache) from before the options existed.
-_LATER_OPTION_DEFAULTS = {
-    "num_sub_questions": 1,
-    "pretrain_questions": 0,
-    "pretrain_epochs": 1.0,
-    "student_expert_memory": "full",
-    "dagger_questions": 0,
-    "lookup_fraction": 0.0,
-    "short_names": False,
-    "share_pretraining": False,
-    "replay_questions": 0,
-    "student_full_memory_fraction": 0.0,
-    "student_from_teacher": False,
-}
 
 
 @dataclass
@@ -540,7 +485,7 @@ def train_tiny_agent(
             pretrained, `share_pretraining`) instead of a new one: `copy_data`, `pretrain_data` and the sizes are
             then not used.
         evaluate (`Callable[[PreTrainedModel], float]`, *optional*), eval_epochs (`float`, *optional*): score the
-            imitation's checkpoints and keep the best (see [`~memopd_trl.imitation.imitation_train`]).
+            imitation's checkpoints and keep the best (see [`~memopd_trl.offline.imitation.imitation_train`]).
 
     Returns:
         `tuple[PreTrainedModel, list[float]]`: the model (in eval mode) and the action NLL of every imitation step.
@@ -601,22 +546,16 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
     """
     Everything the cached teacher and student start depend on; a cache made with another recipe is rebuilt.
 
-    The options added after the first cached models (`num_sub_questions`, `pretrain_questions`, `pretrain_epochs`,
-    `student_expert_memory`, `dagger_questions`) are left out at their defaults, so a default config keeps the recipe
-    it had before they existed.
-
     Returns:
-        `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the world's and the environment's settings and
-        that model's own (`hidden_size`, `layers`, `epochs`, `learning_rate`; the student's `warmup_questions` and,
-        when forgetful, `expert_memory`). With `dagger_questions > 0` the teacher's recipe also holds the student's
-        (`dagger_student`): its imitation data comes from that student's states.
+        `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the set-up's `recipe_version`
+        ([`RECIPE_VERSION`]), the world's and the environment's settings and that model's own (`hidden_size`,
+        `layers`, `epochs`, `learning_rate`; the teacher's `select_tasks` and `select_epochs`; the student's
+        `warmup_questions`, `expert_memory` and, with `student_from_teacher`, the teacher's recipe as
+        `from_teacher`).
     """
     settings = config.settings()
-    shared = {
-        key: value for key, value in settings.items()
-        if not key.startswith(("teacher_", "student_"))
-        and not (key in _LATER_OPTION_DEFAULTS and value == _LATER_OPTION_DEFAULTS[key])
-    }  # fmt: skip
+    shared = {"recipe_version": RECIPE_VERSION}
+    shared.update({key: value for key, value in settings.items() if not key.startswith(("teacher_", "student_"))})
     shared.update(world.env_settings())
     recipes = {}
     for role, prefix in (("teacher", "teacher_"), ("student_init", "student_")):
@@ -624,21 +563,12 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
         for name in ("hidden_size", "layers", "epochs", "learning_rate"):
             recipe[name] = getattr(config, prefix + name)
         recipes[role] = recipe
+    recipes["teacher"]["select_tasks"] = config.teacher_select_tasks
+    recipes["teacher"]["select_epochs"] = config.teacher_select_epochs
     recipes["student_init"]["warmup_questions"] = config.student_warmup_questions
-    if config.student_expert_memory != _LATER_OPTION_DEFAULTS["student_expert_memory"]:
-        recipes["student_init"]["expert_memory"] = config.student_expert_memory
-    if config.teacher_select_tasks > 0:
-        recipes["teacher"]["select_tasks"] = config.teacher_select_tasks
-        recipes["teacher"]["select_epochs"] = config.teacher_select_epochs
-    if config.teacher_forgetful_states > 0:
-        recipes["teacher"]["forgetful_states"] = config.teacher_forgetful_states
-        recipes["teacher"]["forgetful_memory"] = config.student_expert_memory
-    if config.student_full_memory_fraction > 0:
-        recipes["student_init"]["full_memory_fraction"] = config.student_full_memory_fraction
+    recipes["student_init"]["expert_memory"] = config.student_expert_memory
     if config.student_from_teacher:
         recipes["student_init"]["from_teacher"] = dict(recipes["teacher"])
-    if config.dagger_questions > 0:
-        recipes["teacher"]["dagger_student"] = dict(recipes["student_init"])
     return recipes
 
 
@@ -697,8 +627,8 @@ def prepare_offline_models(
     student start the expert of `student_expert_memory` on the first `student_warmup_questions` of them (the
     policy). With multi-objective tasks (`num_sub_questions >= 2`) each model is also scored on the single held-out
     questions (`single_f1` / `single_em`, its capability), beside `f1` / `em` on the held-out tasks (its policy).
-    With `dagger_questions > 0` the student start is built first and the full expert's labels of the states it
-    visits are added to the teacher's data (`dagger_turns` in the teacher's set-up).
+    A model whose cached recipe differs from [`offline_recipes`] (other settings, or another [`RECIPE_VERSION`]) is
+    rebuilt, and one line says why.
 
     Args:
         config (`OfflineConfig`): the recipe of both models.
@@ -710,26 +640,28 @@ def prepare_offline_models(
     Returns:
         `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the content of its `memopd_setup.json`: held-out
         `f1` / `em`, `train_seconds`, `parameters`, `expert_turns`, `final_action_nll`, `recipe`, `eval_settings`;
-        with multi-objective tasks also `single_f1` / `single_em`, `pretrain_turns`, and the teacher's `dagger_turns`;
-        with `replay_questions` `replay_turns`, and with `share_pretraining` `shared_pretraining: true`.
+        with multi-objective tasks also `single_f1` / `single_em` and `pretrain_turns`; with `replay_questions`
+        `replay_turns`, and with `share_pretraining` `shared_pretraining: true`.
     """
-    tasks = "tasks" if world.multi_objective else "questions"
-    for name in ("student_warmup_questions", "dagger_questions", "teacher_forgetful_states"):
-        if getattr(config, name) > len(world.train):
-            raise ValueError(
-                f"`{name}` ({getattr(config, name)}) exceeds the world's {len(world.train)} training {tasks}: lower "
-                "it or raise `num_train_questions`."
-            )
+    if config.student_warmup_questions > len(world.train):
+        raise ValueError(
+            f"`student_warmup_questions` ({config.student_warmup_questions}) exceeds the world's {len(world.train)} "
+            f"training {'tasks' if world.multi_objective else 'questions'}: lower it or raise `num_train_questions`."
+        )
     state = PartialState()
     recipes = offline_recipes(config, world)
     paths = {role: Path(output_dir) / role for role in ROLES}
     with state.main_process_first():
         if state.is_main_process:
-            stale = [role for role in ROLES if _cached_recipe(paths[role]) != recipes[role]]
-            if "teacher" in stale and "student_init" not in stale:
-                stale.append("student_init")  # the student shares the teacher's tokenizer
+            stale = {}  # role -> why it is (re)built
             for role in ROLES:
-                _log(f"[setup] {'building' if role in stale else 'reusing the cached'} {role} in {paths[role]}")
+                reason = _stale_reason(_cached_recipe(paths[role]), recipes[role])
+                if reason is not None:
+                    stale[role] = reason
+            if "teacher" in stale and "student_init" not in stale:
+                stale["student_init"] = "rebuilding: the teacher, whose tokenizer it shares, is rebuilt"
+            for role in ROLES:
+                _log(f"[setup] {role} in {paths[role]}: {stale.get(role, 'reusing the cached model')}")
             if stale:
                 generation = {"max_new_tokens": max_new_tokens, "max_prompt_length": max_prompt_length}
                 _build_models(config, world, paths, stale, recipes, generation)
@@ -747,14 +679,15 @@ def load_offline_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
 
 
 def load_offline_model(path: str | os.PathLike) -> PreTrainedModel:
-    """A cached tiny model, in float32 with the packed-row attention it was trained with."""
+    """A cached tiny model, in float32 with the packed-row attention it was trained with (registered here)."""
+    register_varlen_attention()
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=VARLEN_ATTENTION, dtype=torch.float32)
 
 
 def _build_models(config, world, paths, roles, recipes, generation) -> None:
     """
-    Train the models of `roles` and cache them. The tokenizer both share is trained when the teacher is rebuilt;
-    the teacher trains first, unless its data needs the student start's states (`dagger_questions > 0`).
+    Train the models of `roles` and cache them, the teacher first. The tokenizer both share is trained when the
+    teacher is rebuilt.
     """
     start = time.perf_counter()
     expert = dict(env_factory=world.env_factory, mistake_prob=config.expert_mistake_prob, seed=config.world_seed)
@@ -773,11 +706,9 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
     if config.student_expert_memory != "full":
         # Played without mistakes: after a slip a forgetful expert has lost its place and gives up (it answers what
         # it has), so its labels there would teach the start to give up, not to forget.
-        num_full = round(config.student_full_memory_fraction * config.student_warmup_questions)
-        warmup = world.train[: config.student_warmup_questions]
         student_trajectories = expert_trajectories(
-            warmup[: len(warmup) - num_full], world.env_factory, memory=config.student_expert_memory
-        ) + (expert_trajectories(warmup[len(warmup) - num_full :], world.env_factory) if num_full else [])
+            world.train[: config.student_warmup_questions], world.env_factory, memory=config.student_expert_memory
+        )
     policy_steps["student_init"] = [step for trajectory in student_trajectories for step in trajectory.steps]
     pretrain_steps = []
     if config.pretrain_questions > 0:
@@ -808,7 +739,6 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         f"{expert_f1:.3f} on {len(trajectories)} of them{forgetful}; {len(pretrain_steps)} shared pretraining turns; "
         f"tokenizer of {len(tokenizer)} tokens ({time.perf_counter() - start:.1f} s)"
     )
-    order = ("student_init", "teacher") if config.dagger_questions > 0 else ROLES
     replay_steps = []
     if config.replay_questions > 0:
         replay_steps = [step for trajectory in pretrain[: config.replay_questions] for step in trajectory.steps]
@@ -831,20 +761,10 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             (shared_path / SETUP_FILE).write_text(json.dumps({"recipe": recipe, "train_seconds": round(seconds, 1)}))
             _log(f"[setup] shared copy warm-up and pretraining ({seconds:.0f} s)")
     models = {}
-    for role in order:
-        if role not in roles:
-            continue
+    for role in [role for role in ROLES if role in roles]:
         recipe = recipes[role]
         steps = policy_steps[role] + replay_steps
         info = {}
-        if role == "teacher" and config.dagger_questions > 0:
-            dagger_steps = _dagger_steps(models["student_init"], tokenizer, world, config, generation)
-            steps = steps + dagger_steps
-            info["dagger_turns"] = len(dagger_steps)
-        if role == "teacher" and config.teacher_forgetful_states > 0:
-            forgetful_steps = _forgetful_state_steps(world, config)
-            steps = steps + forgetful_steps
-            info["forgetful_state_turns"] = len(forgetful_steps)
         start_from = base_model
         if role == "student_init" and config.student_from_teacher:
             start_from = models["teacher"] if "teacher" in models else load_offline_model(paths["teacher"])
@@ -902,42 +822,8 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
 
 def _shared_pretraining_recipe(recipes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the shared copy warm-up and pretraining depend on: the teacher's recipe without its own imitation data."""
-    own_data = ("forgetful_states", "forgetful_memory", "dagger_student", "select_tasks", "select_epochs")
+    own_data = ("select_tasks", "select_epochs")
     return {key: value for key, value in recipes["teacher"].items() if key not in own_data}
-
-
-def _forgetful_state_steps(world, config) -> list[tuple[list[dict[str, str]], str]]:
-    """
-    The full expert's actions in every state of `teacher_forgetful_states` tasks played by the forgetful expert until
-    it would answer (with facts forgotten), and by the full expert from there on (its recovery: keep what the latest
-    observation shows, search the forgotten facts again, answer every sub-question in order).
-    """
-    env = world.env_factory()
-    full = SyntheticExpert(env.action_format, memory="full")
-    forgetful = SyntheticExpert(env.action_format, memory=config.student_expert_memory)
-    steps = []
-    for record in world.train[: config.teacher_forgetful_states]:
-        messages, recovering = env.reset(record), False
-        while not env.done:
-            label = full(messages)
-            steps.append((messages, label))
-            played = label if recovering else forgetful(messages)
-            if parse_action(played, env.action_format).kind == "answer" and played != label:
-                played, recovering = label, True
-            if not env.step(played).done:
-                messages = env.messages()
-    return steps
-
-
-def _dagger_steps(student, tokenizer, world, config, generation) -> list[tuple[list[dict[str, str]], str]]:
-    """The full expert's actions in the states the student start visits on the first `dagger_questions` tasks."""
-    engine = RolloutEngine(student, tokenizer, world.env_factory, temperature=1.0, **generation)
-    records = world.train[: config.dagger_questions]
-    with torch.random.fork_rng():
-        torch.manual_seed(config.world_seed)
-        episodes, _ = engine.rollout(records, num_generations=1)
-    expert = SyntheticExpert(world.env_factory().action_format, memory="full")
-    return expert_labels(engine, episodes, records, expert)
 
 
 def _warn_if_actions_outgrow_generation(role: str, invocations: list, max_new_tokens: int) -> None:
@@ -956,6 +842,19 @@ def _warn_if_actions_outgrow_generation(role: str, invocations: list, max_new_to
 def _cached_recipe(path: Path) -> dict[str, Any] | None:
     info = path / SETUP_FILE
     return json.loads(info.read_text()).get("recipe") if info.exists() else None
+
+
+def _stale_reason(cached: dict[str, Any] | None, recipe: dict[str, Any]) -> str | None:
+    """Why a model cached with recipe `cached` must be (re)built for `recipe`, in a few words; `None` if it holds."""
+    if cached is None:
+        return "building (nothing cached)"
+    if cached == recipe:
+        return None
+    version = cached.get("recipe_version", 1)
+    if version != recipe["recipe_version"]:
+        return f"rebuilding: cached by set-up recipe version {version}, this is version {recipe['recipe_version']}"
+    changed = sorted(key for key in cached.keys() | recipe.keys() if cached.get(key) != recipe.get(key))
+    return f"rebuilding: cached with other settings ({', '.join(changed)})"
 
 
 def _log(message: str) -> None:

@@ -156,7 +156,7 @@ class SyntheticWorld:
     Example:
 
     ```python
-    >>> from memopd_trl.envs.synthetic import make_synthetic_world
+    >>> from memopd_trl.offline import make_synthetic_world
     >>> world = make_synthetic_world(4, seed=0)
     >>> sorted(world.records[0])
     ['_id', 'answer', 'context', 'level', 'question', 'supporting_facts', 'type']
@@ -312,8 +312,8 @@ class _WorldBuilder:
 
 @contextmanager
 def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector: a large world is millions of small acyclic lists and dicts, and collections
-    triggered while building them cost more than building them (3x at 100k questions)."""
+    """Pause the cyclic garbage collector: a large world is millions of small acyclic lists and dicts, whose building
+    would trigger collections that find nothing to free (docs/design.md, "The offline lab")."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -357,13 +357,11 @@ def make_synthetic_world(
         lookup_fraction (`float`, *optional*, defaults to `0.0`):
             Fraction of single-hop lookups (`"Who directed A?"`, `"Where was A born?"`, ...: one passage answers
             them, record `type` `"lookup"`), e.g. as the sub-questions of multi-objective tasks; the rest are bridge
-            and comparison questions as `comparison_fraction` says. At 0 the world is the one made before lookups
-            existed, draw for draw.
+            and comparison questions as `comparison_fraction` says. At 0 no random draw is spent on it.
         short_names (`bool`, *optional*, defaults to `False`):
             Build names and cities from two-syllable words only, with no syllable repeated within a name
-            (`"Kalo Venu"`, never `"Kalo Lomi"` or `"Kalodor Venu"`): a tiny model trained for minutes copies such a
-            name far more reliably, since each of its tokens follows a distinct one. Cities then default to at most
-            300 names.
+            (`"Kalo Venu"`, never `"Kalo Lomi"` or `"Kalodor Venu"`), so that each token of a name follows a distinct
+            one. Cities then default to at most 300 names.
 
     Returns:
         `SyntheticWorld`: records in HotpotQA's layout and the corpus of all passages. A record's `supporting_facts`
@@ -407,7 +405,7 @@ def _build_world(
 
     questions = []  # (question, answer, type, gold [(title, kind)], distractor titles)
     for _ in range(num_questions):
-        if lookup_fraction > 0 and rng.random() < lookup_fraction:  # no draw at 0: older worlds stay the same
+        if lookup_fraction > 0 and rng.random() < lookup_fraction:  # no draw at 0
             template = rng.choice(LOOKUP_TEMPLATES)
         else:
             is_comparison = rng.random() < comparison_fraction

@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ..envs.base import ActionFormat, MemoryAgentEnv, parse_action
+from ..envs.multi import parse_sub_questions
 from ..metrics import MULTI_ANSWER_SEPARATOR
-from .base import ActionFormat, MemoryAgentEnv, parse_action
-from .multi import parse_sub_questions
-from .synthetic import LOOKUP_ANSWER_FIELD, QUESTION_ENTITY_KIND, SyntheticWorld, find_fact, parse_question
+from .world import LOOKUP_ANSWER_FIELD, QUESTION_ENTITY_KIND, SyntheticWorld, find_fact, parse_question
 
 
 NO_FACTS_MEMORY = "No facts yet."
@@ -67,7 +67,7 @@ class SyntheticExpert:
     Example:
 
     ```python
-    >>> from memopd_trl.envs.expert import SyntheticExpert
+    >>> from memopd_trl.offline import SyntheticExpert
     >>> expert = SyntheticExpert()
     >>> expert([{"role": "system", "content": "..."},
     ...         {"role": "user", "content": "Question: Where was the director of Kalo Venu born?"}])

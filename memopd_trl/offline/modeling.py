@@ -3,6 +3,8 @@
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from ..attention import register_varlen_attention
+
 
 _ARCHITECTURES = ("qwen2", "llama")
 
@@ -26,6 +28,9 @@ def build_tiny_model(
     """
     Build a randomly initialised decoder-only model (Qwen2 or Llama architecture) from a config, offline.
 
+    The padding-free `"memopd_sdpa_varlen"` attention is registered first
+    ([`~memopd_trl.attention.register_varlen_attention`]), so the model may be built with it or switched to it later.
+
     Args:
         vocab_size (`int`):
             Size of the vocabulary (must cover every token id of the tokenizer used with it).
@@ -44,7 +49,7 @@ def build_tiny_model(
         max_position_embeddings (`int`, *optional*, defaults to `4096`):
             Longest sequence the model accepts.
         attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
-            `"eager"`, `"sdpa"`, `"flex_attention"` or `"flash_attention_2"`.
+            `"eager"`, `"sdpa"`, `"flex_attention"`, `"flash_attention_2"` or `"memopd_sdpa_varlen"`.
         pad_token_id, bos_token_id, eos_token_id (`int`, *optional*):
             Special token ids written into the model config.
         seed (`int`, *optional*, defaults to `0`):
@@ -58,12 +63,13 @@ def build_tiny_model(
     Example:
 
     ```python
-    >>> from memopd_trl.modeling import build_tiny_model
+    >>> from memopd_trl.offline import build_tiny_model
     >>> model = build_tiny_model(vocab_size=512, architecture="llama")
     >>> model.config.model_type
     'llama'
     ```
     """
+    register_varlen_attention()
     if architecture not in _ARCHITECTURES:
         raise ValueError(f"`architecture` must be one of {_ARCHITECTURES}, got {architecture!r}.")
     if hidden_size % num_attention_heads:

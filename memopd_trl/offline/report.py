@@ -5,7 +5,7 @@ evaluation (step 0 is the start), and optionally `misalignment`, the `[step, {tu
 (see [`misalignment_curve`]). The set-up, if any, maps a role (`"teacher"`, `"student_init"`) to its held-out
 `f1` / `em`.
 
->>> from memopd_trl.report import format_table, summarize
+>>> from memopd_trl.offline.report import format_table, summarize
 >>> runs = [{"arm": "ppo", "seed": s, "f1": f, "em": f, "curve": [[0, 0.1, 0.1], [2, f, f]]} for s, f in [(0, .2), (1, .4)]]
 >>> print(format_table(summarize(runs), setup={}))
 | model | held-out F1 | held-out EM | seeds |
@@ -38,12 +38,12 @@ def eval_curve(log_history: list[dict[str, Any]], start: dict[str, float]) -> li
 def misalignment_curve(log_history: list[dict[str, Any]]) -> list[list[Any]]:
     """
     The per-turn misalignment of a training run, from its trainer's `state.log_history`: for each logged entry with
-    `misalignment/kl_turn_{k}` (the alignment audit, `MemOPDConfig.audit_steps`), the KL in nats per action token
+    `misalignment/kl_turn_{k}` (the alignment audit, `MemOPDConfig.misalignment_audit_steps`), the KL in nats per action token
     KL(teacher in the student's own contexts || teacher under the persistent history), by turn.
 
     Returns:
         `list[list]`: `[step, {turn: kl}]` per entry with an audit (turns as strings, JSON keys); empty when the run
-        was never audited (PPO only, persistent scoring, `audit_steps=0`).
+        was never audited (PPO only, persistent scoring, `misalignment_audit_steps=0`).
     """
     prefix = "misalignment/kl_turn_"
     curve = []

@@ -3,14 +3,9 @@
 Used to build the offline default: a teacher is fine-tuned on a scripted expert's compact-memory trajectories, and a
 student is warm-started briefly so that it knows the action format. Each expert turn becomes an `Invocation` (the
 rendered context as `input_ids`, the expert's action as `output_ids`), so training runs on the same packed,
-padding-free rows and the same action-only scoring as MemOPD itself.
-
-A memory agent mostly copies: entity names from the question into a query, fact sentences from an observation into
-its memory, the answer from its memory. A transformer trained from scratch on such data sits for a long time on a
-plateau where it predicts the template words and guesses the names (~2 nats per action token), because copying needs
-an induction circuit (attend to the earlier occurrence of the current token, emit what followed it) that task data
-rewards only once it half works. [`copy_task_invocations`] is a warm-up that rewards nothing else: random token
-strings to repeat, before imitation (what it was measured to do in the offline run: docs/results.md).
+padding-free rows and the same action-only scoring as MemOPD itself ([`expert_invocations`], [`imitation_train`]).
+[`copy_task_invocations`] makes the copy warm-up that a model trained from scratch runs before imitation: random token
+strings to repeat (why: docs/design.md, "The offline lab").
 """
 
 import math
@@ -21,9 +16,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .packing import PackedInvocationCollator, gather_actions
-from .records import Invocation
-from .scoring import action_logprobs, lm_head_params, packed_hidden_states
+from ..packing import PackedInvocationCollator, gather_actions
+from ..records import Invocation
+from ..scoring import action_logprobs, lm_head_params, packed_hidden_states
 
 
 def expert_invocations(
@@ -61,7 +56,7 @@ def copy_task_invocations(
     seed: int = 0,
 ) -> list[Invocation]:
     """
-    Random strings to repeat: the induction warm-up of a model trained from scratch (see the module docstring).
+    Random strings to repeat: the copy warm-up of a model trained from scratch (see the module docstring).
 
     Each invocation's `input_ids` is a string of `min_length` to `max_length` tokens drawn uniformly from `token_ids`,
     followed by `separator_id`; its `output_ids` is the same string. Lengths vary so that copying by a fixed offset
@@ -148,7 +143,7 @@ def imitation_train(
         description (`str`, *optional*, defaults to `"imitation"`): label of the progress bar.
         context_weight (`float`, *optional*, defaults to `0.0`):
             Weight of the next-token NLL of the context tokens (every token of an invocation's `input_ids` but its
-            first). 0 trains the actions only; a small weight (0.5) speeds up learning to read observations.
+            first). 0 trains the actions only.
         evaluate (`Callable[[PreTrainedModel], float]`, *optional*):
             Scores the model (higher is better, e.g. greedy F1 on tasks set aside from `invocations`) every
             `eval_epochs` epochs and after the last step; the model ends with the weights of the best score (the

@@ -1,0 +1,190 @@
+"""
+The data of one training step, as `MemOPDTrainer` passes it from stage to stage: a `Rollout` is scored into a
+`ScoredBatch` (or a `SkippedBatch`), whose rows become `LossPiece`s, one student forward and backward each.
+
+Per-token tensors are `(N,)` (or `(N, ...)`) over the `N` action tokens of the rollout, in canonical order: episode by
+episode, then invocation by invocation, then token by token (`Rollout.invocations` flattened).
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .records import Episode, Invocation
+from .scoring import gathered_lm_head
+
+
+@dataclass
+class Rollout:
+    """
+    One rollout batch of the student.
+
+    Args:
+        episodes (`list[Episode]`): the episodes, record by record, every model call recorded.
+        stats (`dict[str, float]`): the rollout statistics of `RolloutEngine.rollout`.
+        seconds (`dict[str, float]`): the seconds each stage of the step took (`rollout`, `teacher`, ...), for the
+            `time/*` logs.
+    """
+
+    episodes: list[Episode]
+    stats: dict[str, float]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def invocations(self) -> list[Invocation]:
+        """Every model call of the batch, episode by episode (the canonical order of the per-token tensors)."""
+        return [inv for ep in self.episodes for inv in ep.invocations]
+
+    def sequence_ids(self) -> torch.Tensor:
+        """`(N,)`: the index of the invocation of each action token."""
+        tokens = torch.tensor([len(inv.output_ids) for inv in self.invocations], dtype=torch.long)
+        return torch.repeat_interleave(torch.arange(len(tokens)), tokens)
+
+    def tokens_per_episode(self) -> list[int]:
+        """The number of action tokens of each episode."""
+        return [sum(len(inv.output_ids) for inv in ep.invocations) for ep in self.episodes]
+
+    def metrics(self, packed: dict[str, Any] | None = None) -> dict[str, float]:
+        """
+        This process's statistics of the rollout, and of its `packed` batch when it was packed, by log name:
+        invocation sizes, `packing/*`, `rollout/*` and the `time/*` of each stage.
+        """
+        metrics, invocations, stats = {}, self.invocations, self.stats
+        if invocations:
+            metrics["context_tokens_per_invocation"] = sum(len(inv.input_ids) for inv in invocations) / len(invocations)
+            metrics["action_tokens_per_invocation"] = sum(len(inv.output_ids) for inv in invocations) / len(invocations)
+        if packed is not None:
+            # Rows are forwarded one at a time, cut at their last token: no row padding, one forward per row.
+            metrics["packing/rows"] = float(packed["input_ids"].shape[0])
+            # Share of the rebuilt tokens that shared-prefix packing did not lay out again.
+            saved = packed.get("num_tokens_saved", 0)
+            metrics["packing/shared_fraction"] = saved / max(packed["num_real_tokens"] + saved, 1)
+        for key in ("num_context_truncations", "num_failed_episodes", "num_prompt_too_long", "num_truncated_outputs"):
+            if key in stats:
+                metrics[f"rollout/{key.removeprefix('num_')}"] = float(stats[key])
+        if stats.get("num_prompt_tokens"):
+            # Share of the context tokens the rollout did not encode again (shared prompt prefill).
+            metrics["rollout/shared_prefill_fraction"] = stats.get("num_shared_prefill_tokens", 0) / stats["num_prompt_tokens"]
+        for key, value in self.seconds.items():
+            metrics[f"time/{key}"] = value
+        if self.seconds.get("rollout"):
+            metrics["rollout/tokens_per_second"] = sum(len(inv.output_ids) for inv in invocations) / self.seconds["rollout"]
+        return metrics
+
+
+@dataclass
+class TeacherScores:
+    """
+    What the teacher says about a sequence of action tokens: its distribution at each of them, in the exact state (or,
+    for the control, the flattened history) the action was scored in.
+
+    A local teacher gives its final hidden state at each action position and the model whose LM head turns it into
+    full-vocabulary logits (`lm_head()`): the losses apply the head chunk by chunk, so the `(N, vocab)` logits are
+    never held at once.
+
+    Args:
+        hidden (`torch.Tensor` of shape `(N, hidden_size)`): the teacher's final hidden state at each action position.
+        model (`nn.Module`): the teacher, whose LM head `lm_head()` yields (gathered when it is sharded).
+        vocab_size (`int`): the shared tokenizer's vocabulary size (the head's rows beyond it are never scored).
+        sampled_logprobs (`torch.Tensor` of shape `(N,)`, *optional*): the teacher's log-prob of each sampled token
+            at the sampling temperature; set when a loss term needs it (`sampled_kl_coef`,
+            `distill_divergence_threshold`).
+    """
+
+    hidden: torch.Tensor
+    model: nn.Module
+    vocab_size: int
+    sampled_logprobs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    @contextmanager
+    def lm_head(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The teacher's LM head `(weight, bias)`, gathered for the duration when it is sharded. Collective then."""
+        with gathered_lm_head(self.model, self.vocab_size) as head:
+            yield head
+
+
+@dataclass
+class TeacherPlay:
+    """
+    The teacher's own episodes (`teacher_generations`), distilled into the student beside its rollout.
+
+    Args:
+        invocations (`list[Invocation]`): the teacher's model calls.
+        teacher (`TeacherScores`): the teacher's scores of their actions, `(N_play, ...)`.
+        joint_rows (`list[dict]`): the rollout's invocations, then these, packed together and split into rows: the
+            student's forwards run on these (a row can hold actions of both).
+    """
+
+    invocations: list[Invocation]
+    teacher: TeacherScores
+    joint_rows: list[dict[str, Any]]
+
+
+@dataclass
+class ScoredBatch:
+    """
+    One rollout, packed and scored: everything the student's loss needs, `(N,)` per action token in canonical order.
+
+    Args:
+        packed (`dict`): the rollout's invocations packed (`PackedInvocationCollator`).
+        rows (`list[dict]`): `packed` split into rows, each forwarded on its own (`split_rows`).
+        sequence_ids (`torch.Tensor` of shape `(N,)`): the invocation of each action token.
+        old_logprobs (`torch.Tensor` of shape `(N,)`): the log-prob the rollout sampled each token with.
+        advantages (`torch.Tensor` of shape `(N,)`): the advantage of each token.
+        rewarded (`torch.Tensor` of shape `(N,)`): whether the token's episode has a reward > 0 (diagnostics).
+        returns (`torch.Tensor` of shape `(N,)`, *optional*): the value targets (`advantage_estimator="gae"`).
+        old_values (`torch.Tensor` of shape `(N,)`, *optional*): the values at the rollout (clipped value loss).
+        teacher (`TeacherScores`, *optional*): the teacher's scores of the rollout's actions.
+        distill_mask (`torch.Tensor` of shape `(N,)`, *optional*): the tokens the distillation loss keeps
+            (`distill_divergence_threshold`); `None` keeps every token.
+        ref_logprobs (`torch.Tensor` of shape `(N,)`, *optional*): the reference model's log-probs (`kl_coef > 0`).
+        teacher_play (`TeacherPlay`, *optional*): the teacher's own episodes (`teacher_generations > 0`).
+    """
+
+    packed: dict[str, Any]
+    rows: list[dict[str, Any]]
+    sequence_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rewarded: torch.Tensor
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    teacher: TeacherScores | None = None
+    distill_mask: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    teacher_play: TeacherPlay | None = None
+
+    @property
+    def num_actions(self) -> int:
+        return len(self.old_logprobs)
+
+    @property
+    def student_rows(self) -> list[dict[str, Any]]:
+        """The rows the student's loss forwards: the rollout's, or the joint rows with the teacher's episodes."""
+        return self.rows if self.teacher_play is None else self.teacher_play.joint_rows
+
+
+@dataclass
+class SkippedBatch:
+    """A rollout with nothing to learn from: its update is skipped on every process, for `reason`."""
+
+    reason: str
+
+
+@dataclass
+class LossPiece:
+    """
+    One forward and backward pass of the student: a row of a scored batch (`row=None` for a skipped batch), with the
+    batch-level counts its loss terms are shares of (`actions`, `sequences`, `distilled`, `play`).
+    """
+
+    batch: ScoredBatch | SkippedBatch
+    row: dict[str, Any] | None
+    counts: dict[str, int] = field(default_factory=dict)
