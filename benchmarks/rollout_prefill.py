@@ -64,7 +64,7 @@ def main_job(args) -> dict | None:
     from memopd_trl import offline
 
     script, config, _ = hotpot.parse_args(["--output_dir", args.setup_dir])
-    env = dict(max_turns=config.max_turns, memory_policy=config.memory_policy, action_format=config.action_format)
+    env = dict(max_turns=script.max_turns, memory_policy=script.memory_policy, action_format=script.action_format)
     world = offline.make_offline_world(script, **env)
     model = offline.load_offline_model(setup / "student_init").eval()
     tokenizer = offline.load_offline_tokenizer(setup / "teacher")

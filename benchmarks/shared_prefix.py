@@ -56,7 +56,7 @@ def record_invocations(args: argparse.Namespace) -> list[Invocation]:
         from memopd_trl import RolloutEngine, offline
 
         script, config, _ = hotpot.parse_args(["--output_dir", args.setup_dir])
-        env = dict(max_turns=config.max_turns, memory_policy=config.memory_policy, action_format=config.action_format)
+        env = dict(max_turns=script.max_turns, memory_policy=script.memory_policy, action_format=script.action_format)
         world = offline.make_offline_world(script, **env)
         setup = Path(args.setup_dir)
         if not (setup / "student_init").exists():

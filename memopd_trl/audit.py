@@ -9,12 +9,18 @@ rewritten yet), so its KL is 0 up to float rounding; later turns show what persi
 
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .losses import chunked_generalized_jsd
 from .records import Invocation
 from .step import TeacherScores
+
+
+if TYPE_CHECKING:
+    from .teacher import LocalTeacher
 
 
 def auditable_invocations(invocations: list[Invocation], max_length: int | None) -> tuple[list[int], torch.Tensor]:
@@ -87,3 +93,46 @@ def misalignment_kl(
             teacher_bias=bias,
             chunk_size=chunk_size,
         ).cpu()
+
+
+class AlignmentAudit:
+    """
+    The live alignment audit of a trainer: on the first rollout of every `period` steps (all its gradient-accumulation
+    micro-batches), the teacher scores the rollout's actions again under the flattened persistent history, and
+    `misalignment/kl_turn_{k}` is `KL(teacher aligned || teacher persistent)` at T=1, averaged over the action tokens
+    of turn `k` (`misalignment/kl`: over all of them). Episodes whose flattened history the teacher cannot take are
+    left out.
+
+    Args:
+        period (`int`):
+            Steps between audits (`MemOPDConfig.misalignment_audit_steps`).
+        every_process_has (`Callable[[bool], bool]`):
+            Whether a flag holds on every process that must forward together (the trainer's; collective when
+            sharded), so that every process skips an audit with nothing to audit at once.
+    """
+
+    def __init__(self, period: int, every_process_has: Callable[[bool], bool]):
+        self.period = period
+        self.every_process_has = every_process_has
+        self._last: tuple[int | None, int | None] = (None, None)  # (period, step) of the last audit
+
+    def due(self, step: int) -> bool:
+        """Whether the rollout of `step` is audited (the first of its period, or another micro-batch of that step)."""
+        period = step // self.period
+        if period == self._last[0] and step != self._last[1]:
+            return False
+        self._last = (period, step)
+        return True
+
+    def __call__(
+        self, teacher: "LocalTeacher", invocations: list[Invocation], aligned: TeacherScores
+    ) -> dict[str, float]:
+        """The audit's metrics for `invocations`, whose aligned scores are `aligned`; `{}` when nothing is audited."""
+        kept, tokens = auditable_invocations(invocations, teacher.collators["persistent"].max_model_length)
+        audited = [invocations[i] for i in kept]
+        if not self.every_process_has(len(tokens) > 0):
+            return {}
+        persistent = teacher.score(audited, "persistent")  # (N_audited, ...), in the order of `audited`
+        kl = misalignment_kl(aligned, persistent.hidden, tokens.to(aligned.hidden.device), teacher.chunk_size)
+        by_turn = {f"misalignment/kl_turn_{turn}": value for turn, value in mean_by_turn(kl, audited).items()}
+        return {"misalignment/kl": kl.mean().item(), **by_turn}

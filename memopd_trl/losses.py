@@ -584,9 +584,7 @@ def until_first_divergence(
 
     After the student samples a token the teacher would not have written, the rest of the action continues a prefix
     the teacher never produced, and a teacher that has not learned to continue arbitrary prefixes (a small one
-    trained on its own traces) gives noise there. On the offline world's student start 94% of the forward KL sits
-    on such tokens, 10.5 nats each, against 15.5 at the first divergent token itself and 0.08 before it
-    (docs/results.md); distilling on all of them collapses the student.
+    trained on its own traces) gives noise there (measured per token in docs/results.md).
 
     Args:
         teacher_logprobs (`torch.Tensor` of shape `(num_tokens,)`): the teacher's log-prob of each sampled token.

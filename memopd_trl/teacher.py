@@ -8,6 +8,7 @@ served on its own machine, giving top-k log-probs) fills the same scores from th
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from .sharding import gathered_for_generation
 from .step import TeacherScores
 
 
+@dataclass
 class LocalTeacher:
     """
     A teacher model in the training process, scoring the student's recorded invocations.
@@ -48,26 +50,18 @@ class LocalTeacher:
             The engine the teacher plays its own episodes with (`play`).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        accelerator: Accelerator,
-        collators: dict[str, PackedInvocationCollator],
-        forward_rows: Callable[[dict], list[dict]],
-        vocab_size: int,
-        temperature: float,
-        chunk_size: int,
-        engine: RolloutEngine | None = None,
-    ):
-        self.model = model
-        self.accelerator = accelerator
-        self.unwrapped = accelerator.unwrap_model(model)  # what its forwards and its LM head are read from
-        self.collators = collators
-        self.forward_rows = forward_rows
-        self.engine = engine
-        self.vocab_size = vocab_size
-        self.temperature = temperature
-        self.chunk_size = chunk_size
+    model: nn.Module
+    accelerator: Accelerator
+    collators: dict[str, PackedInvocationCollator]
+    forward_rows: Callable[[dict], list[dict]]
+    vocab_size: int
+    temperature: float
+    chunk_size: int
+    engine: RolloutEngine | None = None
+    unwrapped: nn.Module = field(init=False)  # what its forwards and its LM head are read from
+
+    def __post_init__(self):
+        self.unwrapped = self.accelerator.unwrap_model(self.model)
 
     def score(
         self,

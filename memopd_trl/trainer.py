@@ -4,13 +4,13 @@ One training step, top to bottom (`_prepare_inputs`, then `training_step` once p
 
 1. rollout (`_rollout`): the student plays `num_generations` episodes per question, every model call recorded as
    token ids (a `Rollout`);
-2. pack (`_pack`): each invocation rebuilt as its own sequence, whole invocations packed into rows;
+2. pack (`_score`): each invocation rebuilt as its own sequence, whole invocations packed into rows;
 3. advantages (`_compute_advantages`): group-normalized final reward, or GAE with a value head, one per action token;
-4. teacher scores (`_teacher_scores`, no grad): the teacher's distribution at every action position, in the exact
-   context the student sampled it in (`teacher_scoring="aligned"`), or under the flattened history (`"persistent"`,
-   the control), as `TeacherScores`; with them the divergence mask and the sampled-token KL reward, the live
-   alignment audit (`_audit_alignment`, logged only) and the reference model's log-probs (`kl_coef > 0`). Steps 2-4
-   give a `ScoredBatch` (`memopd_trl.step`);
+4. teacher scores (`_teacher_scores`, no grad, a `LocalTeacher`'s): the teacher's distribution at every action
+   position, in the exact context the student sampled it in (`teacher_scoring="aligned"`), or under the flattened
+   history (`"persistent"`, the control), as `TeacherScores`; with them the divergence mask and the sampled-token KL
+   reward; the live alignment audit (`audit.AlignmentAudit`, logged only) and the reference model's log-probs
+   (`_reference_logprobs`, `kl_coef > 0`). Steps 2-4 give a `ScoredBatch` (`memopd_trl.step`);
 5. student forward and backward on each packed row (`_student_loss`):
    `loss = distill_coef * GJSD(teacher || student) + ppo_coef * PPO-clip (+ kl_coef * KL + vf_coef * value loss)`.
 
@@ -43,7 +43,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import RepeatSampler, disable_dropout_in_model, identity, use_adapter
 
 from .attention import register_varlen_attention
-from .audit import auditable_invocations, mean_by_turn, misalignment_kl
+from .audit import AlignmentAudit
 from .callbacks import (
     ClearValueHeadGradients,
     SaveOnSigterm,
@@ -87,7 +87,7 @@ from .sharding import (
     prepare_frozen_model,
     rows_for_every_process,
 )
-from .step import LossPiece, Rollout, ScoredBatch, SkippedBatch, TeacherPlay, TeacherScores
+from .step import LossPiece, Rollout, ScoredBatch, SkippedBatch, TeacherPlay
 from .teacher import LocalTeacher
 from .validation import (
     apply_env_overrides,
@@ -174,10 +174,6 @@ class MemOPDTrainer(_BaseTrainer):
     >>> trainer.train()
     ```
     """
-
-    _tag_names = ["trl", "memopd"]
-    _name = "MemOPD"
-    _paper = _PAPER
 
     _tag_names = ["trl", "memopd"]
     _name = "MemOPD"
@@ -280,13 +276,10 @@ class MemOPDTrainer(_BaseTrainer):
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
 
-        self._build_collators()
+        self._build_scorers()
         self._build_engines()
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Set-up helpers
-    # ------------------------------------------------------------------------------------------------------------
-    def _build_collators(self) -> None:
+    def _build_scorers(self) -> None:
         """The packing of the student's rows, and the teacher (`LocalTeacher`) with its packing of each layout it
         scores: aligned, and the persistent history (the control, or the live alignment audit)."""
         args, pad = self.args, self.processing_class.pad_token_id
@@ -304,13 +297,14 @@ class MemOPDTrainer(_BaseTrainer):
         # Each row is forwarded on its own (`_forward_rows`): the budget bounds the tokens of one forward.
         packing = dict(max_tokens_per_row=args.max_tokens_per_row, pad_token_id=pad, share_prefix=self.share_prefix)
         self.collator = PackedInvocationCollator(max_model_length=max_model_length(self.model), **packing)
-        self.teacher, self._audited = None, (None, None)  # (audit period, step) of the last alignment audit
-        # The live alignment audit scores the aligned teacher's actions again under the persistent history.
-        self.audit_misalignment = args.teacher_scoring == "aligned" and args.misalignment_audit_steps > 0
+        self.teacher, self.audit = None, None
         if self.teacher_model is None:
             return
+        if args.teacher_scoring == "aligned" and args.misalignment_audit_steps > 0:
+            # The live alignment audit scores the aligned teacher's actions again under the persistent history.
+            self.audit = AlignmentAudit(args.misalignment_audit_steps, self._every_process_has)
         length = max_model_length(self.accelerator.unwrap_model(self.teacher_model))
-        layouts = {args.teacher_scoring} | ({"persistent"} if self.audit_misalignment else set())
+        layouts = {args.teacher_scoring} | ({"persistent"} if self.audit is not None else set())
         self.teacher = LocalTeacher(
             self.teacher_model,
             self.accelerator,
@@ -409,9 +403,6 @@ class MemOPDTrainer(_BaseTrainer):
             optimizer.add_param_group({"params": list(self.value_head.parameters()), "weight_decay": 0.0})
         return optimizer
 
-    # ------------------------------------------------------------------------------------------------------------
-    # One training step: rollout, pack, advantages, teacher scores
-    # ------------------------------------------------------------------------------------------------------------
     def _rollout_and_score(self, records: list[dict[str, Any]]) -> ScoredBatch | SkippedBatch:
         """Steps 1-4 for one micro-batch of records (once per rollout: with `num_iterations > 1` later updates reuse it)."""
         accumulation = self.args.gradient_accumulation_steps
@@ -463,34 +454,48 @@ class MemOPDTrainer(_BaseTrainer):
             returns=returns,
             old_values=old_values,
         )
-
-        # 4. teacher scores: aligned (on the same rows) or persistent history
+        # 4. the teacher's scores (aligned: on the same rows; or the persistent history), and the reference's
         start = time.perf_counter()
-        if self.teacher_model is not None and (args.distill_coef > 0 or args.sampled_kl_coef > 0):
-            need_sampled = args.sampled_kl_coef > 0 or args.distill_divergence_threshold > 0
-            batch.teacher = self.teacher.score(
-                invocations, args.teacher_scoring, rows, action_token_ids(packed) if need_sampled else None
-            )
-            if args.distill_divergence_threshold > 0:
-                batch.distill_mask = self._distill_mask(rollout, batch)
-            if args.sampled_kl_coef > 0:
-                token_rewards = sampled_kl_advantages(batch.teacher.sampled_logprobs, batch.old_logprobs)  # (N,)
-                batch.advantages = batch.advantages + args.sampled_kl_coef * token_rewards
-                self._metrics["train"]["distill/sampled_reverse_kl"].append(-token_rewards.mean().item())
+        if self.teacher is not None and (args.distill_coef > 0 or args.sampled_kl_coef > 0):
+            self._teacher_scores(rollout, batch)
         rollout.seconds["teacher"] = time.perf_counter() - start
-        if batch.teacher is not None and self.audit_misalignment and self._audit_due():
+        if batch.teacher is not None and self.audit is not None and self.audit.due(self.state.global_step):
             start = time.perf_counter()
-            self._audit_alignment(invocations, batch.teacher)
+            for name, value in self.audit(self.teacher, invocations, batch.teacher).items():
+                self._metrics["train"][name].append(value)
             rollout.seconds["audit"] = time.perf_counter() - start
         if args.kl_coef > 0:
             start = time.perf_counter()
-            with torch.no_grad(), self._reference_model() as reference:
-                ref_hidden = rows_action_hidden_states(reference, rows)  # (N, H)
-                batch.ref_logprobs = sampled_token_logprobs(
-                    reference, ref_hidden, action_token_ids(packed), self.vocab_size, args.temperature, args.logit_chunk_size
-                )  # (N,)
+            batch.ref_logprobs = self._reference_logprobs(batch)
             rollout.seconds["reference"] = time.perf_counter() - start
         return batch
+
+    def _teacher_scores(self, rollout: Rollout, batch: ScoredBatch) -> None:
+        """
+        Step 4: the teacher's scores of the rollout's actions (`batch.teacher`), and what the loss derives from them:
+        the tokens the distillation keeps (`distill_divergence_threshold`) and the sampled-token KL reward added to the
+        advantages (`sampled_kl_coef`).
+        """
+        args = self.args
+        need_sampled = args.sampled_kl_coef > 0 or args.distill_divergence_threshold > 0
+        action_ids = action_token_ids(batch.packed) if need_sampled else None
+        batch.teacher = self.teacher.score(rollout.invocations, args.teacher_scoring, batch.rows, action_ids)
+        if args.distill_divergence_threshold > 0:
+            batch.distill_mask = self._distill_mask(rollout, batch)
+        if args.sampled_kl_coef > 0:
+            token_rewards = sampled_kl_advantages(batch.teacher.sampled_logprobs, batch.old_logprobs)  # (N,)
+            batch.advantages = batch.advantages + args.sampled_kl_coef * token_rewards
+            self._metrics["train"]["distill/sampled_reverse_kl"].append(-token_rewards.mean().item())
+
+    def _reference_logprobs(self, batch: ScoredBatch) -> torch.Tensor:
+        """`(N,)`: the reference model's log-prob of each sampled token (the KL term), on the student's rows."""
+        args = self.args
+        with torch.no_grad(), self._reference_model() as reference:
+            hidden = rows_action_hidden_states(reference, batch.rows)  # (N, H)
+            action_ids = action_token_ids(batch.packed)
+            return sampled_token_logprobs(
+                reference, hidden, action_ids, self.vocab_size, args.temperature, args.logit_chunk_size
+            )
 
     def _compute_advantages(
         self, rollout: Rollout, rows: list[dict[str, Any]]
@@ -550,34 +555,6 @@ class MemOPDTrainer(_BaseTrainer):
         metrics["time/teacher_play"].append(time.perf_counter() - start)
         return play
 
-    def _audit_due(self) -> bool:
-        """Whether this rollout is audited: the first rollout of every `misalignment_audit_steps` steps (all its
-        micro-batches)."""
-        step = self.state.global_step
-        period = step // self.args.misalignment_audit_steps
-        if period == self._audited[0] and step != self._audited[1]:
-            return False
-        self._audited = (period, step)
-        return True
-
-    def _audit_alignment(self, invocations: list[Invocation], aligned: TeacherScores) -> None:
-        """
-        The live alignment audit (`memopd_trl.audit`): the teacher scores the same actions again under the flattened
-        persistent history, and `misalignment/kl_turn_{k}` logs KL(teacher aligned || teacher persistent) at T=1,
-        averaged over the action tokens of turn `k` (`misalignment/kl`: over all of them). Episodes whose flattened
-        history the teacher cannot take are left out.
-        """
-        kept, tokens = auditable_invocations(invocations, self.teacher.collators["persistent"].max_model_length)
-        audited = [invocations[i] for i in kept]
-        if not self._every_process_has(len(tokens) > 0):
-            return
-        persistent = self.teacher.score(audited, "persistent")  # (N_audited, ...), in the order of `audited`
-        kl = misalignment_kl(aligned, persistent.hidden, tokens.to(self.accelerator.device), self.args.logit_chunk_size)
-        metrics = self._metrics["train"]
-        metrics["misalignment/kl"].append(kl.mean().item())
-        for turn, value in mean_by_turn(kl, audited).items():
-            metrics[f"misalignment/kl_turn_{turn}"].append(value)
-
     def _forward_rows(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """
         The rows of a packed batch, each forwarded on its own (`split_rows`): a forward holds at most one row's tokens
@@ -635,9 +612,6 @@ class MemOPDTrainer(_BaseTrainer):
             finally:
                 unwrapped.train(was_training)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # One training step: the student's loss, row by row
-    # ------------------------------------------------------------------------------------------------------------
     def training_step(self, model: nn.Module, inputs, num_items_in_batch=None) -> torch.Tensor:
         """
         One micro-batch: the rollout and its scoring (`_prepare_inputs`), then the student's forward and backward
@@ -832,9 +806,6 @@ class MemOPDTrainer(_BaseTrainer):
             metrics[name].append(value)
         self._loss_sums, self._diagnostics = defaultdict(float), []
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Logging, evaluation, saving
-    # ------------------------------------------------------------------------------------------------------------
     def _log_rollout(self, rollout: Rollout, batch: ScoredBatch | SkippedBatch) -> None:
         """Record the statistics of one rollout (and of its packed batch) for the next `log`. Collective."""
         metrics = self._metrics["train"]
