@@ -150,7 +150,8 @@ def training_signal(world, output_dir: Path, tokenizer, args, **settings) -> dic
     config = MemOPDConfig(
         output_dir=str(output_dir / "signal"), max_steps=args.signal_steps, learning_rate=0.0,
         lr_scheduler_type="constant", per_device_train_batch_size=8, num_generations=4, temperature=args.signal_temperature,
-        beta=1.0, misalignment_audit_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        beta=1.0, misalignment_audit_steps=1, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        bf16=False,
         disable_tqdm=True, seed=0, **settings,
     )  # fmt: skip
     trainer = MemOPDTrainer(

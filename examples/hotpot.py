@@ -10,8 +10,8 @@ Offline (no flags, no network; about 12 minutes on 2 CPU cores and 6.5 more per 
 and caches a tiny teacher (imitation of a scripted full-memory expert) and a student start (that teacher taught a
 forgetful habit). Three arms train that same start with the same seed and budget: PPO only (`distill_coef=0`),
 MemOPD (aligned teacher scoring) and MemOPD with persistent-history teacher scoring (the matched control), each
-evaluated greedily on held-out tasks; `memopd_trl.offline.report` writes the F1/EM table, `results.json`, `eval_f1.png` and
-the per-turn alignment audit `misalignment.png`. Tiny models: the numbers show the mechanics, not the paper's results.
+evaluated greedily on held-out tasks; `memopd_trl.offline.report` writes the F1/EM table, `results.json`,
+`eval_f1.png` and the per-turn alignment audit `misalignment.png`. Tiny models: the numbers show the mechanics, not the paper's results.
 
 Real mode (not run in CI): `--model_name_or_path` and `--dataset` (a Hub id or a local HotpotQA .json/.jsonl file).
 `examples/real.yaml` sets what pretrained models need (the parser's defaults are the offline run's), e.g.
@@ -149,7 +149,8 @@ def parse_args(argv: list[str] | None) -> tuple[ScriptArguments, MemOPDConfig, M
         fail(str(error))
     if unknown:
         flag = next((arg for arg in unknown if arg.startswith("-")), unknown[0]).split("=")[0]
-        valid = ["--" + f.name for dc in (ScriptArguments, TrainerArguments, ModelArguments) for f in fields(dc) if f.init]
+        dataclasses = (ScriptArguments, TrainerArguments, ModelArguments)
+        valid = ["--" + f.name for dc in dataclasses for f in fields(dc) if f.init]
         close = difflib.get_close_matches(flag, valid, n=1)
         fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else " (--help lists them all)"))
     path, real = Path(args.dataset), model_args.model_name_or_path is not None

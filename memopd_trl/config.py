@@ -19,7 +19,10 @@ _ATTN_IMPLEMENTATIONS = (
 
 
 # Deprecated field name -> its new name (see `MemOPDConfig._apply_deprecated_names`).
-_RENAMED_FIELDS = {"distill_until_divergence": "distill_divergence_threshold", "audit_steps": "misalignment_audit_steps"}
+_RENAMED_FIELDS = {
+    "distill_until_divergence": "distill_divergence_threshold",
+    "audit_steps": "misalignment_audit_steps",
+}
 # Environment settings the config still accepts for one release; the env factory takes them.
 _ENV_SETTINGS = ("memory_policy", "action_format", "max_turns")
 
@@ -192,9 +195,9 @@ class MemOPDConfig(_BaseConfig):
             over the tokens of rewarded and of unrewarded episodes), from one extra chunked pass over both LM heads
             at the action tokens without gradients.
         misalignment_audit_steps (`int`, *optional*, defaults to `10`):
-            With `teacher_scoring="aligned"`, every `misalignment_audit_steps` steps the teacher also scores the same actions under
-            the flattened persistent history, and `misalignment/kl_turn_{k}` logs its KL(aligned || persistent) by
-            turn. Costs one extra teacher forward on the persistent rows on those steps. 0 disables it.
+            With `teacher_scoring="aligned"`, every `misalignment_audit_steps` steps the teacher also scores the same
+            actions under the flattened persistent history, and `misalignment/kl_turn_{k}` logs its KL(aligned ||
+            persistent) by turn. Costs one extra teacher forward on the persistent rows on those steps. 0 disables it.
 
         > Deprecated names (they still work, with a `FutureWarning`, and will be removed in the next release)
 
@@ -367,8 +370,8 @@ class MemOPDConfig(_BaseConfig):
     distill_divergence_scope: str = field(
         default="action",
         metadata={
-            "help": "Where `distill_divergence_threshold` stops: `action` (each action up to its own first unlikely token) "
-            "or `episode` (each episode up to its first unlikely token: later states are ones the teacher never saw).",
+            "help": "Where `distill_divergence_threshold` stops: `action` (each action up to its own first unlikely "
+            "token) or `episode` (each episode up to its first unlikely token: later states are ones the teacher never saw).",
             "choices": ["action", "episode"],
         },
     )
@@ -518,8 +521,8 @@ class MemOPDConfig(_BaseConfig):
             bad("distill_divergence_scope", '"action" or "episode"')
         if self.distill_divergence_threshold > 0 and self.distill_coef == 0:
             raise ValueError(
-                f"`distill_divergence_threshold` ({self.distill_divergence_threshold}) selects the tokens of the distillation "
-                "loss, but `distill_coef` is 0: set `distill_coef` > 0, or `distill_divergence_threshold=0`."
+                f"`distill_divergence_threshold` ({self.distill_divergence_threshold}) selects the tokens of the "
+                "distillation loss, but `distill_coef` is 0: set `distill_coef` > 0, or `distill_divergence_threshold=0`."
             )
         if not 0.0 <= self.beta <= 1.0:
             bad("beta", "in [0, 1]")

@@ -408,7 +408,8 @@ class PackedInvocationCollator(_InvocationCollator):
         max_tokens_per_row (`int` or `None`, *optional*, defaults to `4096`):
             Room in one row. An invocation longer than this gets a row of its own. With transformers' `sdpa`/`eager`
             attention a packed row pays a dense `width x width` mask, so a value near the longest invocation is
-            fastest; with flash-attention or `"memopd_sdpa_varlen"` (see [`~memopd_trl.attention.varlen_sdpa_attention`])
+            fastest; with flash-attention or `"memopd_sdpa_varlen"`
+            (see [`~memopd_trl.attention.varlen_sdpa_attention`])
             attention follows the sequences, and wider (fuller) rows are faster (docs/benchmarks.md). `None` lays
             out everything in one row (TRL's padding-free layout): no row padding, and no tree is split.
         pad_token_id (`int`, *optional*, defaults to `0`):

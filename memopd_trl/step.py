@@ -54,9 +54,10 @@ class Rollout:
         invocation sizes, `packing/*`, `rollout/*` and the `time/*` of each stage.
         """
         metrics, invocations, stats = {}, self.invocations, self.stats
+        generated = sum(len(inv.output_ids) for inv in invocations)
         if invocations:
             metrics["context_tokens_per_invocation"] = sum(len(inv.input_ids) for inv in invocations) / len(invocations)
-            metrics["action_tokens_per_invocation"] = sum(len(inv.output_ids) for inv in invocations) / len(invocations)
+            metrics["action_tokens_per_invocation"] = generated / len(invocations)
         if packed is not None:
             # Rows are forwarded one at a time, cut at their last token: no row padding, one forward per row.
             metrics["packing/rows"] = float(packed["input_ids"].shape[0])
@@ -68,11 +69,12 @@ class Rollout:
                 metrics[f"rollout/{key.removeprefix('num_')}"] = float(stats[key])
         if stats.get("num_prompt_tokens"):
             # Share of the context tokens the rollout did not encode again (shared prompt prefill).
-            metrics["rollout/shared_prefill_fraction"] = stats.get("num_shared_prefill_tokens", 0) / stats["num_prompt_tokens"]
+            shared = stats.get("num_shared_prefill_tokens", 0)
+            metrics["rollout/shared_prefill_fraction"] = shared / stats["num_prompt_tokens"]
         for key, value in self.seconds.items():
             metrics[f"time/{key}"] = value
         if self.seconds.get("rollout"):
-            metrics["rollout/tokens_per_second"] = sum(len(inv.output_ids) for inv in invocations) / self.seconds["rollout"]
+            metrics["rollout/tokens_per_second"] = generated / self.seconds["rollout"]
         return metrics
 
 

@@ -533,7 +533,7 @@ class MemOPDTrainer(_BaseTrainer):
         )  # (N,)
         self._metrics["train"]["distill/kept_tokens"].append(mask.float().mean().item())
         return mask
-    def _teacher_play(self, records: list[dict[str, Any]], rollout_invocations: list[Invocation]) -> TeacherPlay | None:
+    def _teacher_play(self, records: list[dict], rollout_invocations: list[Invocation]) -> TeacherPlay | None:
         """
         The teacher plays `teacher_generations` sampled episodes per record; returns their invocations, the teacher's
         scores of their actions (laid out as `teacher_scoring` says, as the student's actions are), and the rollout's
@@ -594,7 +594,8 @@ class MemOPDTrainer(_BaseTrainer):
         """
         num_generations = 1 if greedy else self.args.num_generations
         if self.vllm_generation is not None:
-            return self.vllm_generation.play(self.rollout_engine, records, num_generations, greedy, self.state.global_step)
+            step = self.state.global_step
+            return self.vllm_generation.play(self.rollout_engine, records, num_generations, greedy, step)
         start = time.perf_counter()
         with (
             unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped,
@@ -711,7 +712,8 @@ class MemOPDTrainer(_BaseTrainer):
                 loss = loss + args.ppo_coef * self._ppo_term(batch, actions, logprobs, share, counts)
             if batch.teacher is not None:
                 student_head = (weight, bias)
-                loss = loss + self._distill_term(batch, actions, hidden, play_actions, play_hidden, student_head, counts)
+                term = self._distill_term(batch, actions, hidden, play_actions, play_hidden, student_head, counts)
+                loss = loss + term
         if batch.ref_logprobs is not None:
             kl = kl_penalty(logprobs, batch.ref_logprobs[actions]).mean() * share if len(actions) else 0.0 * loss
             loss = loss + args.kl_coef * kl

@@ -244,7 +244,8 @@ def load_teacher(
     if not isinstance(teacher_model, str):
         return teacher_model, getattr(teacher_model.config, "_name_or_path", ""), teacher_processing_class
     if teacher_processing_class is None:
-        teacher_processing_class = AutoTokenizer.from_pretrained(teacher_model, trust_remote_code=args.trust_remote_code)
+        trust = args.trust_remote_code
+        teacher_processing_class = AutoTokenizer.from_pretrained(teacher_model, trust_remote_code=trust)
     attn_implementation = args.teacher_attn_implementation or args.attn_implementation
     model = load_model(teacher_model, args.teacher_model_init_kwargs, attn_implementation, args)
     return model, teacher_model, teacher_processing_class

@@ -28,7 +28,10 @@ def test_new_fields_have_help_matching_their_defaults():
 
 @pytest.mark.parametrize(
     "old, new, value",
-    [("distill_until_divergence", "distill_divergence_threshold", 0.2), ("audit_steps", "misalignment_audit_steps", 3)],
+    [
+        ("distill_until_divergence", "distill_divergence_threshold", 0.2),
+        ("audit_steps", "misalignment_audit_steps", 3),
+    ],
 )
 def test_a_renamed_field_still_works_for_one_release_with_a_warning(old, new, value):
     with pytest.warns(FutureWarning, match=f"`MemOPDConfig.{old}` is deprecated.*use `{new}`"):

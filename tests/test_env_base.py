@@ -5,8 +5,8 @@ import pytest
 from memopd_trl.envs.base import (
     ActionFormat,
     CompactMemoryPolicy,
-    MemoryAgentEnv,
     FullHistoryMemoryPolicy,
+    MemoryAgentEnv,
     get_memory_policy,
     parse_action,
 )

@@ -649,7 +649,8 @@ def test_a_passage_cannot_inject_an_action_through_a_rollout(tiny_model, tiny_to
             calls.append(query)
             return super().search(query, top_k)
 
-    env_factory = make_factory(retriever=CountingRetriever(passage), top_k=1, max_turns=2, memory_policy="full_history")
+    retriever = CountingRetriever(passage)
+    env_factory = make_factory(retriever=retriever, top_k=1, max_turns=2, memory_policy="full_history")
     engine = forced_engine(tiny_model, tiny_tokenizer, SEARCH_PARIS, env_factory, max_new_tokens=24)
     (episode,), stats = engine.rollout(RECORDS[:1])
     # Only the agent's two searches ran; the passage's <answer> did not end the episode, nor earn a reward.

@@ -449,8 +449,8 @@ def test_the_model_card_names_the_models_and_settings_and_its_snippet_plays_an_e
         teacher_model=str(teacher_dir),
         args=args,
         train_dataset=world.records,
-        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, action_format="mem1", memory_policy="full_history",
-                                        max_turns=2, system_prompt="Act."),
+        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, action_format="mem1",
+                                        memory_policy="full_history", max_turns=2, system_prompt="Act."),
         processing_class=tiny_tokenizer,
     )  # fmt: skip
     trainer.train()
@@ -974,7 +974,9 @@ def test_alignment_audit_logs_the_teachers_kl_between_contexts_by_turn(
         assert entry["time/audit"] > 0
 
 
-@pytest.mark.parametrize("settings", [{"misalignment_audit_steps": 0}, {"teacher_scoring": "persistent"}], ids=["off", "persistent"])
+@pytest.mark.parametrize(
+    "settings", [{"misalignment_audit_steps": 0}, {"teacher_scoring": "persistent"}], ids=["off", "persistent"]
+)
 def test_alignment_audit_is_off_when_disabled_or_without_aligned_scoring(
     tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, settings
 ):
@@ -1054,7 +1056,7 @@ def test_sampled_kl_advantage_trains_with_ppo_alone_and_needs_a_teacher_and_ppo(
 def test_distill_divergence_threshold_distills_each_action_only_up_to_its_first_unlikely_token(
     tmp_path, world, make_tiny_model, tiny_tokenizer
 ):
-    from memopd_trl.losses import chunked_generalized_jsd, until_first_divergence
+    from memopd_trl.losses import until_first_divergence
     from memopd_trl.scoring import full_logits_action_logprobs
 
     student, teacher = make_tiny_model(seed=0), make_tiny_model(seed=1, hidden_size=48)
@@ -1129,7 +1131,9 @@ def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
 
     student = make_tiny_model(seed=0)
     teacher = near_copy(student, seed=1, scale=0.5)
-    config = make_config(tmp_path, num_generations=2, teacher_generations=2, beta=0.5, temperature=1.3, misalignment_audit_steps=0)
+    config = make_config(
+        tmp_path, num_generations=2, teacher_generations=2, beta=0.5, temperature=1.3, misalignment_audit_steps=0
+    )
     trainer = MemOPDTrainer(
         model=student, teacher_model=teacher, args=config, train_dataset=world.records, env_factory=env_factory,
         processing_class=tiny_tokenizer,

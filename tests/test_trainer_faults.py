@@ -6,13 +6,12 @@ import warnings
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_trainer import LengthRewardEnv, changed, losses_logged, make_config, params_of
 
 from memopd_trl import HotpotQAEnv, MemOPDTrainer, PackedInvocationCollator
 from memopd_trl.envs.retrieval import corpus_from_records
 from memopd_trl.losses import gae_advantages
 from memopd_trl.trainer import VALUE_HEAD_FILE
-
-from test_trainer import LengthRewardEnv, changed, losses_logged, make_config, params_of
 
 
 def test_non_finite_teacher_scores_skip_the_update_and_keep_weights_finite(

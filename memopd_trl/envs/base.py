@@ -309,8 +309,8 @@ def get_memory_policy(policy: "str | MemoryPolicy") -> MemoryPolicy:
         return policy
     if policy == "persistent":
         warnings.warn(
-            'memory_policy="persistent" is deprecated and will be removed in the next release; use "full_history" (the '
-            'name "persistent" is kept for `teacher_scoring="persistent"`, the persistent-history control).',
+            'memory_policy="persistent" is deprecated and will be removed in the next release; use "full_history" '
+            '(the name "persistent" is kept for `teacher_scoring="persistent"`, the persistent-history control).',
             FutureWarning,
             stacklevel=3,
         )

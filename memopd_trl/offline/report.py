@@ -38,8 +38,8 @@ def eval_curve(log_history: list[dict[str, Any]], start: dict[str, float]) -> li
 def misalignment_curve(log_history: list[dict[str, Any]]) -> list[list[Any]]:
     """
     The per-turn misalignment of a training run, from its trainer's `state.log_history`: for each logged entry with
-    `misalignment/kl_turn_{k}` (the alignment audit, `MemOPDConfig.misalignment_audit_steps`), the KL in nats per action token
-    KL(teacher in the student's own contexts || teacher under the persistent history), by turn.
+    `misalignment/kl_turn_{k}` (the alignment audit, `MemOPDConfig.misalignment_audit_steps`), the KL in nats per action
+    token KL(teacher in the student's own contexts || teacher under the persistent history), by turn.
 
     Returns:
         `list[list]`: `[step, {turn: kl}]` per entry with an audit (turns as strings, JSON keys); empty when the run

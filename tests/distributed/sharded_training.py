@@ -96,7 +96,8 @@ def run_case(name: str, overrides: dict, out_dir: Path, state: PartialState) -> 
         args=MemOPDConfig(
             output_dir=tempfile.mkdtemp(prefix=f"memopd-{name}-{state.process_index}-"), use_cpu=True,
             report_to="none", max_steps=2, per_device_train_batch_size=2, num_generations=2, max_new_tokens=8,
-            save_strategy="no", disable_tqdm=True, seed=0, misalignment_audit_steps=1, **{"learning_rate": 1e-2, **overrides},
+            save_strategy="no", disable_tqdm=True, seed=0, misalignment_audit_steps=1,
+            **{"learning_rate": 1e-2, **overrides},
         ),
         train_dataset=world.records,
         env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=max_malformed),
