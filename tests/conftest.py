@@ -70,12 +70,27 @@ def tiny_model(make_tiny_model):
 
 
 @pytest.fixture(scope="session")
-def hotpot_sample_records() -> list[dict]:
-    """The 53 real HotpotQA dev (distractor) records of the shared sample; the test is skipped when it is absent."""
-    if not HOTPOT_SAMPLE.exists():
-        pytest.skip(f"HotpotQA sample not found at {HOTPOT_SAMPLE} (it lives in shared/data beside the repository).")
-    with HOTPOT_SAMPLE.open() as f:
-        return json.load(f)
+def hotpot_sample_path() -> Path:
+    """
+    The path of the shared HotpotQA dev (distractor) sample, for tests that read the file itself (e.g. the loader).
+    The sample lives in `shared/data` beside the repository (see `shared/data/README.md`); the test is skipped when
+    it is absent.
+    """
+    if not HOTPOT_SAMPLE.is_file():
+        pytest.skip(
+            f"HotpotQA sample not found at {HOTPOT_SAMPLE} (it lives in shared/data beside the repository, "
+            "see shared/data/README.md)."
+        )
+    return HOTPOT_SAMPLE
+
+
+@pytest.fixture(scope="session")
+def hotpot_sample_records(hotpot_sample_path) -> list[dict]:
+    """
+    The 53 real HotpotQA dev (distractor) records of the shared sample, parsed once; skipped like
+    `hotpot_sample_path`. Shared by every test: copy (`copy.deepcopy`) before changing a record.
+    """
+    return json.loads(hotpot_sample_path.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,11 @@
 import copy
 import json
-from pathlib import Path
 
 import pytest
 
 from memopd_trl.envs.data import hub_to_official, load_hotpotqa, validate_record
 
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
 RECORD = {
     "_id": "abc123",
     "answer": "Porto",
@@ -39,12 +37,6 @@ HUB_ROW = {
 }
 
 
-def sample_path():
-    if not SAMPLE.is_file():
-        pytest.skip(f"HotpotQA sample not found at {SAMPLE} (the shared data folder beside the repository)")
-    return SAMPLE
-
-
 def changed(**fields):
     record = copy.deepcopy(RECORD)
     for name, value in fields.items():
@@ -62,8 +54,8 @@ def write_json(tmp_path, data, name="data.json"):
 
 
 # ----- the real sample ----------------------------------------------------------------------------------------------
-def test_loads_the_real_dev_sample_unchanged():
-    path = sample_path()
+def test_loads_the_real_dev_sample_unchanged(hotpot_sample_path):
+    path = hotpot_sample_path
     records = load_hotpotqa(str(path))
     assert len(records) == 53
     assert records[0]["_id"] == "5a8b57f25542995d1e6f1371" and records[-1]["_id"] == "5a77724455429972597f153e"
@@ -72,13 +64,13 @@ def test_loads_the_real_dev_sample_unchanged():
     assert len(next(r for r in records if r["_id"] == "5abd259d55429924427fcf1a")["context"]) == 2
 
 
-def test_limit_keeps_the_first_records():
-    records = load_hotpotqa(sample_path(), limit=5)
-    assert [r["_id"] for r in records] == [r["_id"] for r in load_hotpotqa(sample_path())[:5]]
+def test_limit_keeps_the_first_records(hotpot_sample_path):
+    records = load_hotpotqa(hotpot_sample_path, limit=5)
+    assert [r["_id"] for r in records] == [r["_id"] for r in load_hotpotqa(hotpot_sample_path)[:5]]
 
 
-def test_jsonl_gives_the_same_records(tmp_path):
-    records = load_hotpotqa(sample_path(), limit=7)
+def test_jsonl_gives_the_same_records(tmp_path, hotpot_sample_path):
+    records = load_hotpotqa(hotpot_sample_path, limit=7)
     path = tmp_path / "sample.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")
     assert load_hotpotqa(path) == records
@@ -208,11 +200,10 @@ def test_hub_source_is_loaded_through_datasets_and_converted(monkeypatch):
 
 
 # ----- multi-objective records --------------------------------------------------------------------------------------
-def test_multi_objective_records_of_real_questions_validate():
+def test_multi_objective_records_of_real_questions_validate(hotpot_sample_records):
     from memopd_trl.envs.multi import make_multi_objective_tasks
 
-    records = load_hotpotqa(sample_path())
-    tasks = make_multi_objective_tasks(records, k=2, seed=0)
+    tasks = make_multi_objective_tasks(hotpot_sample_records, k=2, seed=0)
     for index, task in enumerate(tasks):
         validate_record(task, index)  # supporting facts of every sub-question point into the united context
     assert {task["type"] for task in tasks} == {"multi"}

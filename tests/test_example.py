@@ -18,7 +18,6 @@ from memopd_trl.offline import build_tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hotpot.py"
 SMOKE = ["--config", str(ROOT / "examples" / "smoke.yaml"), "--report_to", "none"]
-HOTPOT_SAMPLE = ROOT.parent / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
 
 
 @pytest.fixture(scope="module")
@@ -123,11 +122,9 @@ def test_unknown_arm_is_a_clear_error(hotpot, tmp_path, capsys):
     assert "invalid choice: 'magic'" in capsys.readouterr().err
 
 
-def test_dataset_without_models_is_a_clear_error(hotpot, tmp_path):
-    if not HOTPOT_SAMPLE.exists():
-        pytest.skip(f"HotpotQA sample not found at {HOTPOT_SAMPLE}")
+def test_dataset_without_models_is_a_clear_error(hotpot, tmp_path, hotpot_sample_path):
     with pytest.raises(SystemExit, match="--model_name_or_path"):
-        hotpot.main(["--dataset", str(HOTPOT_SAMPLE), "--output_dir", str(tmp_path)])
+        hotpot.main(["--dataset", str(hotpot_sample_path), "--output_dir", str(tmp_path)])
 
 
 def test_memopd_arms_refuse_distill_coef_zero(hotpot, tmp_path):
@@ -184,9 +181,9 @@ def test_rerun_reuses_the_cached_teacher_and_student(hotpot, tmp_path, monkeypat
     assert (out / "student_init" / "model.safetensors").stat().st_mtime_ns != stamps["student_init"]
 
 
-def test_real_mode_trains_local_checkpoints_on_a_local_hotpotqa_file(hotpot, tmp_path, tiny_tokenizer):
-    if not HOTPOT_SAMPLE.exists():
-        pytest.skip(f"HotpotQA sample not found at {HOTPOT_SAMPLE}")
+def test_real_mode_trains_local_checkpoints_on_a_local_hotpotqa_file(
+    hotpot, tmp_path, tiny_tokenizer, hotpot_sample_path
+):
     for name, hidden in (("student", 32), ("teacher", 48)):
         model = build_tiny_model(
             len(tiny_tokenizer), hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
@@ -196,7 +193,7 @@ def test_real_mode_trains_local_checkpoints_on_a_local_hotpotqa_file(hotpot, tmp
         tiny_tokenizer.save_pretrained(tmp_path / name)
     out = tmp_path / "real"
     summary = hotpot.main([
-        "--config", str(ROOT / "examples" / "real.yaml"), "--dataset", str(HOTPOT_SAMPLE),
+        "--config", str(ROOT / "examples" / "real.yaml"), "--dataset", str(hotpot_sample_path),
         "--model_name_or_path", str(tmp_path / "student"), "--teacher_model_name_or_path", str(tmp_path / "teacher"),
         "--dtype", "float32", "--arms", "memopd", "--max_steps", "1", "--eval_strategy", "steps", "--eval_steps", "1",
         "--max_turns", "2", "--max_new_tokens", "8", "--max_prompt_length", "512", "--num_generations", "2",

@@ -1,6 +1,3 @@
-import json
-from pathlib import Path
-
 import pytest
 
 from memopd_trl.envs.base import ActionFormat
@@ -8,7 +5,6 @@ from memopd_trl.envs.hotpot import HotpotQAEnv
 from memopd_trl.envs.retrieval import BM25Retriever, corpus_from_records
 
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
 CORPUS = [
     {"title": "Ana Lee", "text": "Ana Lee is a novelist born in Porto."},
     {"title": "The Grey Tide", "text": "The Grey Tide is a novel written by Ana Lee."},
@@ -16,12 +12,6 @@ CORPUS = [
 ]
 RECORD = {"_id": "r1", "question": "Where was the author of The Grey Tide born?", "answer": "Porto"}
 FMT = ActionFormat()
-
-
-def load_sample():
-    if not SAMPLE.is_file():
-        pytest.skip(f"HotpotQA sample not found at {SAMPLE} (the shared data folder beside the repository)")
-    return json.loads(SAMPLE.read_text(encoding="utf-8"))
 
 
 class FakeRetriever:
@@ -126,8 +116,8 @@ def test_mem1_format_is_accepted():
     assert result.reward == 1.0
 
 
-def test_episodes_on_real_hotpotqa_records_show_real_passages():
-    records = load_sample()
+def test_episodes_on_real_hotpotqa_records_show_real_passages(hotpot_sample_records):
+    records = hotpot_sample_records
     corpus = corpus_from_records(records)
     titles = {p["title"] for p in corpus}
     env = HotpotQAEnv.factory(corpus=corpus, max_observation_chars=None)()

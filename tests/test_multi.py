@@ -1,6 +1,4 @@
-import json
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -17,14 +15,7 @@ from memopd_trl.envs.retrieval import corpus_from_records
 from memopd_trl.offline import expert_trajectories, make_synthetic_world, play_episode
 
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
 FMT = ActionFormat()
-
-
-def load_sample():
-    if not SAMPLE.is_file():
-        pytest.skip(f"HotpotQA sample not found at {SAMPLE} (the shared data folder beside the repository)")
-    return json.loads(SAMPLE.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +101,8 @@ def test_the_separator_joins_and_the_env_splits():
 
 
 # ----- real HotpotQA records ----------------------------------------------------------------------------------------
-def test_real_records_become_tasks_over_the_union_of_their_passages():
-    records = load_sample()
+def test_real_records_become_tasks_over_the_union_of_their_passages(hotpot_sample_records):
+    records = hotpot_sample_records
     tasks = make_multi_objective_tasks(records, k=2, seed=0)
     assert len(tasks) == 26
     by_id = {r["_id"]: r for r in records}

@@ -1,13 +1,9 @@
-import json
-from pathlib import Path
-
 import pytest
 
 from memopd_trl.envs.retrieval import BM25Retriever, corpus_from_records
 from memopd_trl.offline import make_synthetic_world
 
 
-SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
 CORPUS = [
     {"title": "Paris", "text": "Paris is the capital and largest city of France.", "id": 0},
     {"title": "Rome", "text": "Rome is the capital city of Italy.", "id": 1},
@@ -19,12 +15,6 @@ CORPUS = [
 @pytest.fixture(scope="module")
 def retriever():
     return BM25Retriever(CORPUS)
-
-
-def load_sample():
-    if not SAMPLE.is_file():
-        pytest.skip(f"HotpotQA sample not found at {SAMPLE} (the shared data folder beside the repository)")
-    return json.loads(SAMPLE.read_text(encoding="utf-8"))
 
 
 def test_search_returns_best_passages_first_with_scores(retriever):
@@ -111,8 +101,8 @@ def test_recall_at_5_of_entity_queries_on_a_synthetic_world():
     assert recall >= 0.95 and top1 >= 0.9
 
 
-def test_real_hotpotqa_paragraphs_are_retrieved_for_their_questions():
-    records = load_sample()
+def test_real_hotpotqa_paragraphs_are_retrieved_for_their_questions(hotpot_sample_records):
+    records = hotpot_sample_records
     corpus = corpus_from_records(records)
     assert len(corpus) > 10 * 40  # about 10 paragraphs per record, few shared
     retriever = BM25Retriever(corpus)
