@@ -152,6 +152,20 @@ class MemOPDConfig(_BaseConfig):
         loss_aggregation (`str`, *optional*, defaults to `"token_mean"`):
             How PPO's per-token losses are averaged: `"token_mean"` or `"sequence_mean"` (per invocation, then over
             invocations).
+        importance_sampling_correction (`bool`, *optional*):
+            Correct PPO for the gap between the engine that sampled the rollout and the trained policy, as TRL's GRPO
+            does with vLLM (`vllm_importance_sampling_correction`; here for either engine): the student scores the
+            rollout's tokens once (no grad), those log-probs are PPO's old log-probs (so the first update's ratio is
+            exactly 1), and each token's PPO loss is weighted by `p_student / p_engine`, truncated or masked as
+            `importance_sampling_mode` says. `None` (default): on with `use_vllm`, off with transformers' `generate`
+            (whose log-probs are the trained model's own; the extra forward would only absorb float noise).
+        importance_sampling_mode (`str`, *optional*, defaults to `"sequence_mask"`):
+            `"token_truncate"`, `"token_mask"`, `"sequence_truncate"` or `"sequence_mask"` (TRL's modes and default; a
+            sequence is one invocation). See `memopd_trl.losses.importance_sampling_weights`.
+        importance_sampling_clip_min (`float`, *optional*):
+            Lower bound of the weights (TRL's `vllm_importance_sampling_clip_min`); `None` leaves it open.
+        importance_sampling_clip_max (`float`, *optional*, defaults to `3.0`):
+            Upper bound of the weights (TRL's `vllm_importance_sampling_clip_max`); `None` leaves it open.
         advantage_estimator (`str`, *optional*, defaults to `"group"`):
             `"group"`: final reward normalized within each question's `num_generations` episodes, broadcast to every
             action token (no critic). `"gae"`: generalized advantage estimation with a value head.
@@ -393,6 +407,26 @@ class MemOPDConfig(_BaseConfig):
         default="token_mean",
         metadata={"help": "Averaging of PPO's per-token losses.", "choices": ["token_mean", "sequence_mean"]},
     )
+    importance_sampling_correction: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Weight PPO's per-token losses by p_student / p_engine at the rollout (truncated or masked), with "
+            "the student's own log-probs as the old ones; None: on with `use_vllm`, off otherwise."
+        },
+    )
+    importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "help": "How the importance weights are bounded: per token or per invocation, truncated or masked.",
+            "choices": ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"],
+        },
+    )
+    importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound of the importance weights (None: open)."}
+    )
+    importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound of the importance weights (None: open)."}
+    )
     advantage_estimator: str = field(
         default="group",
         metadata={
@@ -560,7 +594,14 @@ class MemOPDConfig(_BaseConfig):
             bad("gamma", "in [0, 1]")
         if not 0.0 <= self.lam <= 1.0:
             bad("lam", "in [0, 1]")
+        for name in ("importance_sampling_clip_min", "importance_sampling_clip_max"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                bad(name, "None or > 0")
+        clip_min, clip_max = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if clip_min is not None and clip_max is not None and clip_min > clip_max:
+            bad("importance_sampling_clip_min", f"<= importance_sampling_clip_max ({clip_max})")
         choices = {
+            "importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
             "teacher_scoring": ("aligned", "persistent"),
             "loss_aggregation": ("token_mean", "sequence_mean"),
             "advantage_estimator": ("group", "gae"),

@@ -675,6 +675,7 @@ def ppo_clip_loss(
     epsilon_high: float | None = None,
     sequence_ids: torch.Tensor | None = None,
     aggregation: str = "token_mean",
+    sampling_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """
     PPO clipped surrogate loss on action tokens, with token-level importance ratios.
@@ -700,6 +701,10 @@ def ppo_clip_loss(
         aggregation (`str`, *optional*, defaults to `"token_mean"`):
             `"token_mean"` averages over all tokens; `"sequence_mean"` averages within each sequence, then over
             sequences (every sequence weighs the same, whatever its length).
+        sampling_weights (`torch.Tensor` of shape `(num_tokens,)`, *optional*, defaults to `None`):
+            Importance weights of the sampling engine against the trained policy at the rollout
+            ([`importance_sampling_weights`]): each token's loss is multiplied by its weight (treated as constants),
+            as TRL's GRPO does with its vLLM importance sampling correction. `None`: every weight is 1.
 
     Returns:
         `tuple[torch.Tensor, dict[str, torch.Tensor]]`: the scalar loss (0 when `num_tokens` is 0), and detached fp32
@@ -723,7 +728,12 @@ def ppo_clip_loss(
     """
     where = "ppo_clip_loss"
     _check_same_1d(
-        where, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, sequence_ids=sequence_ids
+        where,
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        sequence_ids=sequence_ids,
+        sampling_weights=sampling_weights,
     )
     if not 0.0 < epsilon < 1.0:
         raise ValueError(f"{where}: `epsilon` must be in (0, 1), got {epsilon}.")
@@ -744,6 +754,8 @@ def ppo_clip_loss(
     unclipped_loss = -advantages * ratio
     clipped_loss = -advantages * ratio.clamp(1.0 - epsilon, 1.0 + epsilon_high)
     per_token_loss = torch.maximum(unclipped_loss, clipped_loss)  # (N,)
+    if sampling_weights is not None:
+        per_token_loss = per_token_loss * sampling_weights.detach()
 
     if per_token_loss.numel() == 0:
         loss = per_token_loss.sum()  # 0, still attached to the graph
@@ -764,6 +776,69 @@ def ppo_clip_loss(
         }
     return loss, stats
 
+
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_sampling_weights(
+    trainer_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """
+    Importance weights that correct the PPO loss for the gap between the engine that sampled the tokens and the trained
+    policy (kernels, dtype, top-p renormalization): the ratio `p_trainer / p_engine` at each sampled token, per token
+    or per sequence, truncated or masked outside `[clip_min, clip_max]`. The definitions and defaults of TRL's GRPO
+    (`vllm_importance_sampling_mode`, `vllm_importance_sampling_clip_max` / `_min`).
+
+    Args:
+        trainer_logprobs (`torch.Tensor` of shape `(num_tokens,)`):
+            The trained policy's log-prob of each sampled token at the rollout (the PPO loss's old log-probs).
+        sampling_logprobs (`torch.Tensor` of shape `(num_tokens,)`):
+            The sampling engine's log-prob of the same tokens. A NaN (a token the engine did not score) counts as no
+            gap: its ratio is 1.
+        sequence_ids (`torch.Tensor` of shape `(num_tokens,)`, integer):
+            The sequence of each token (an invocation: one sampled action); `sequence_*` modes give all its tokens
+            one ratio, the exponential of the sum of their log-ratios.
+        mode (`str`, *optional*, defaults to `"sequence_mask"`):
+            `"token_truncate"` (each token's ratio clipped to `[clip_min, clip_max]`), `"token_mask"` (ratios outside
+            set to 0), `"sequence_truncate"`, `"sequence_mask"` (the same, per sequence).
+        clip_min (`float`, *optional*, defaults to `None`), clip_max (`float`, *optional*, defaults to `3.0`):
+            The bounds; `None` leaves that side open.
+
+    Returns:
+        `torch.Tensor` of shape `(num_tokens,)`, fp32, detached: the weight of each token.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl.losses import importance_sampling_weights
+    >>> trainer, engine = torch.tensor([-1.0, -1.0, -0.5]), torch.tensor([-1.0, -3.0, -0.5])
+    >>> importance_sampling_weights(trainer, engine, torch.tensor([0, 1, 1]), mode="token_truncate").tolist()
+    [1.0, 3.0, 1.0]
+    ```
+    """
+    where = "importance_sampling_weights"
+    _check_same_1d(
+        where, trainer_logprobs=trainer_logprobs, sampling_logprobs=sampling_logprobs, sequence_ids=sequence_ids
+    )
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"{where}: `mode` must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}.")
+    log_ratio = torch.nan_to_num(trainer_logprobs.detach().float() - sampling_logprobs.detach().float(), nan=0.0)
+    if mode.startswith("sequence"):
+        _, inverse = torch.unique(sequence_ids, return_inverse=True)
+        num_sequences = int(inverse.max()) + 1 if len(inverse) else 0
+        log_ratio = log_ratio.new_zeros(num_sequences).index_add(0, inverse, log_ratio)[inverse]
+    ratio = log_ratio.exp()  # (N,)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=low, max=high)
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """

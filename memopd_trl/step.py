@@ -138,7 +138,8 @@ class ScoredBatch:
         packed (`dict`): the rollout's invocations packed (`PackedInvocationCollator`).
         rows (`list[dict]`): `packed` split into rows, each forwarded on its own (`split_rows`).
         sequence_ids (`torch.Tensor` of shape `(N,)`): the invocation of each action token.
-        old_logprobs (`torch.Tensor` of shape `(N,)`): the log-prob the rollout sampled each token with.
+        old_logprobs (`torch.Tensor` of shape `(N,)`): PPO's old log-prob of each token: the one the rollout sampled
+            it with, or with `importance_sampling_correction` the student's own at the rollout.
         advantages (`torch.Tensor` of shape `(N,)`): the advantage of each token.
         rewarded (`torch.Tensor` of shape `(N,)`): whether the token's episode has a reward > 0 (diagnostics).
         returns (`torch.Tensor` of shape `(N,)`, *optional*): the value targets (`advantage_estimator="gae"`).
@@ -148,6 +149,10 @@ class ScoredBatch:
             (`distill_divergence_threshold`); `None` keeps every token.
         ref_logprobs (`torch.Tensor` of shape `(N,)`, *optional*): the reference model's log-probs (`kl_coef > 0`).
         teacher_play (`TeacherPlay`, *optional*): the teacher's own episodes (`teacher_generations > 0`).
+        sampling_logprobs (`torch.Tensor` of shape `(N,)`, *optional*): with `importance_sampling_correction`, the
+            log-prob the sampling engine gave each token.
+        sampling_weights (`torch.Tensor` of shape `(N,)`, *optional*): with `importance_sampling_correction`, the
+            importance weight of each token's PPO loss (`losses.importance_sampling_weights`).
     """
 
     packed: dict[str, Any]
@@ -162,6 +167,8 @@ class ScoredBatch:
     distill_mask: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     teacher_play: TeacherPlay | None = None
+    sampling_logprobs: torch.Tensor | None = None
+    sampling_weights: torch.Tensor | None = None
 
     @property
     def num_actions(self) -> int:

@@ -10,7 +10,7 @@ One training step, top to bottom (`_prepare_inputs`, then `training_step` once p
    position, in the exact context the student sampled it in (`teacher_scoring="aligned"`), or under the flattened
    history (`"persistent"`, the control), as `TeacherScores`; with them the divergence mask and the sampled-token KL
    reward; the live alignment audit (`audit.AlignmentAudit`, logged only) and the reference model's log-probs
-   (`_reference_logprobs`, `kl_coef > 0`). Steps 2-4 give a `ScoredBatch` (`memopd_trl.step`);
+   (`_sampled_logprobs`, `kl_coef > 0`). Steps 2-4 give a `ScoredBatch` (`memopd_trl.step`);
 5. student forward and backward on each packed row (`_student_loss`):
    `loss = distill_coef * GJSD(teacher || student) + ppo_coef * PPO-clip (+ kl_coef * KL + vf_coef * value loss)`.
 
@@ -58,6 +58,7 @@ from .losses import (
     distillation_diagnostics,
     final_reward_gae,
     group_normalized_advantages,
+    importance_sampling_weights,
     kl_penalty,
     ppo_clip_loss,
     sampled_kl_advantages,
@@ -278,6 +279,9 @@ class MemOPDTrainer(_BaseTrainer):
 
         self._build_scorers()
         self._build_engines()
+        # PPO corrected for the sampling engine's gap to the student (on by default with vLLM).
+        correct = args.importance_sampling_correction
+        self.correct_sampling = args.use_vllm if correct is None else correct
 
     def _build_scorers(self) -> None:
         """The packing of the student's rows, and the teacher (`LocalTeacher`) with its packing of each layout it
@@ -454,6 +458,8 @@ class MemOPDTrainer(_BaseTrainer):
             returns=returns,
             old_values=old_values,
         )
+        if self.correct_sampling:  # the engine's log-probs are not the student's: weigh the gap
+            self._correct_sampling(batch)
         # 4. the teacher's scores (aligned: on the same rows; or the persistent history), and the reference's
         start = time.perf_counter()
         if self.teacher is not None and (args.distill_coef > 0 or args.sampled_kl_coef > 0):
@@ -466,7 +472,8 @@ class MemOPDTrainer(_BaseTrainer):
             rollout.seconds["audit"] = time.perf_counter() - start
         if args.kl_coef > 0:
             start = time.perf_counter()
-            batch.ref_logprobs = self._reference_logprobs(batch)
+            with self._reference_model() as reference:
+                batch.ref_logprobs = self._sampled_logprobs(reference, batch)
             rollout.seconds["reference"] = time.perf_counter() - start
         return batch
 
@@ -487,15 +494,41 @@ class MemOPDTrainer(_BaseTrainer):
             batch.advantages = batch.advantages + args.sampled_kl_coef * token_rewards
             self._metrics["train"]["distill/sampled_reverse_kl"].append(-token_rewards.mean().item())
 
-    def _reference_logprobs(self, batch: ScoredBatch) -> torch.Tensor:
-        """`(N,)`: the reference model's log-prob of each sampled token (the KL term), on the student's rows."""
+    def _sampled_logprobs(self, model: nn.Module, batch: ScoredBatch) -> torch.Tensor:
+        """`(N,)`: `model`'s log-prob of each sampled token at the sampling temperature, on the student's rows (no
+        grad): the reference's for the KL term, or the student's own at the rollout."""
         args = self.args
-        with torch.no_grad(), self._reference_model() as reference:
-            hidden = rows_action_hidden_states(reference, batch.rows)  # (N, H)
+        with torch.no_grad():
+            hidden = rows_action_hidden_states(model, batch.rows)  # (N, H)
             action_ids = action_token_ids(batch.packed)
-            return sampled_token_logprobs(
-                reference, hidden, action_ids, self.vocab_size, args.temperature, args.logit_chunk_size
-            )
+            vocab, chunk = self.vocab_size, args.logit_chunk_size
+            return sampled_token_logprobs(model, hidden, action_ids, vocab, args.temperature, chunk)  # (N,)
+
+    def _correct_sampling(self, batch: ScoredBatch) -> None:
+        """
+        The importance sampling correction (`importance_sampling_correction`, as TRL's GRPO with vLLM): the student's
+        own log-probs at the rollout become PPO's old log-probs, and each token's PPO loss is weighted by
+        `p_student / p_engine` (`losses.importance_sampling_weights`), its gap to the engine logged as TRL logs it.
+        """
+        args, metrics = self.args, self._metrics["train"]
+        batch.sampling_logprobs = batch.old_logprobs
+        batch.old_logprobs = self._sampled_logprobs(self.accelerator.unwrap_model(self.model), batch)
+        batch.sampling_weights = importance_sampling_weights(
+            batch.old_logprobs,
+            batch.sampling_logprobs,
+            batch.sequence_ids,
+            mode=args.importance_sampling_mode,
+            clip_min=args.importance_sampling_clip_min,
+            clip_max=args.importance_sampling_clip_max,
+        )  # (N,)
+        gap = (batch.old_logprobs - batch.sampling_logprobs).abs()
+        gap = gap[~gap.isnan()]
+        if len(gap):
+            metrics["sampling/sampling_logp_difference/mean"].append(gap.mean().item())
+            metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
+        weights = batch.sampling_weights
+        for name, value in (("min", weights.min()), ("mean", weights.mean()), ("max", weights.max())):
+            metrics[f"sampling/importance_sampling_ratio/{name}"].append(value.item())
 
     def _compute_advantages(
         self, rollout: Rollout, rows: list[dict[str, Any]]
@@ -739,6 +772,7 @@ class MemOPDTrainer(_BaseTrainer):
             epsilon_high=args.epsilon_high,
             sequence_ids=sequence_ids,
             aggregation=args.loss_aggregation,
+            sampling_weights=None if batch.sampling_weights is None else batch.sampling_weights[actions],
         )
         if args.loss_aggregation == "sequence_mean":  # a row holds whole sequences
             ppo = ppo * (sequence_ids.unique().numel() / counts["sequences"])

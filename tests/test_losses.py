@@ -728,3 +728,34 @@ def test_until_first_divergence_keeps_each_action_up_to_its_first_unlikely_token
         until_first_divergence(logprobs, sequence_ids.flip(0), threshold=0.1)
     with pytest.raises(ValueError, match="threshold"):
         until_first_divergence(logprobs, sequence_ids, threshold=0.0)
+
+
+def test_importance_sampling_weights_follow_trls_modes_by_hand():
+    from memopd_trl.losses import importance_sampling_weights
+
+    # Log-ratios trainer - engine per token: 0, 2, -0.5 | 0.25, nan (an unscored token counts as no gap).
+    trainer = torch.tensor([-1.0, -1.0, -1.0, -0.5, -0.2])
+    engine = torch.tensor([-1.0, -3.0, -0.5, -0.75, float("nan")])
+    sequences = torch.tensor([3, 3, 3, 7, 7])
+    e = math.e
+    cases = {
+        ("token_truncate", None, 3.0): [1.0, 3.0, e**-0.5, e**0.25, 1.0],
+        ("token_mask", 0.7, 3.0): [1.0, 0.0, 0.0, e**0.25, 1.0],
+        ("sequence_truncate", None, 3.0): [3.0, 3.0, 3.0, e**0.25, e**0.25],  # e^1.5 capped
+        ("sequence_mask", None, 3.0): [0.0, 0.0, 0.0, e**0.25, e**0.25],
+        ("sequence_mask", None, None): [e**1.5] * 3 + [e**0.25] * 2,
+    }
+    for (mode, low, high), expected in cases.items():
+        weights = importance_sampling_weights(trainer, engine, sequences, mode=mode, clip_min=low, clip_max=high)
+        torch.testing.assert_close(weights, torch.tensor(expected), msg=mode)
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        importance_sampling_weights(trainer, engine, sequences, mode="sequence")
+
+
+def test_ppo_sampling_weights_scale_each_tokens_loss():
+    logprobs = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
+    old, advantages = torch.tensor([-1.0, -0.7, -1.5]), torch.tensor([1.0, -2.0, 0.5])
+    weights = torch.tensor([2.0, 0.0, 0.5])
+    weighted, _ = ppo_clip_loss(logprobs, old, advantages, sampling_weights=weights)
+    per_token = [ppo_clip_loss(logprobs[i : i + 1], old[i : i + 1], advantages[i : i + 1])[0] for i in range(3)]
+    assert weighted.item() == pytest.approx(sum(w * loss.item() for w, loss in zip(weights, per_token, strict=True)) / 3)

@@ -775,6 +775,7 @@ def test_use_vllm_trains_with_rollouts_from_the_synced_engine(
     )
     (generation,) = fake_vllm
     assert generation.model is student
+    assert trainer.correct_sampling, "with vLLM, PPO is corrected for the engine's gap by default"
     assert generation.kwargs == {
         "mode": "colocate", "gpu_memory_utilization": 0.3, "max_model_length": 512 + 10, "enable_sleep_mode": False,
         "trust_remote_code": False, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_completion_length": 10,
@@ -793,6 +794,7 @@ def test_use_vllm_trains_with_rollouts_from_the_synced_engine(
     assert losses_logged(trainer, "clip_fraction") == [0.0, 0.0, 0.0]
     assert len(losses_logged(trainer, "loss/distill")) == 3 and len(losses_logged(trainer, "loss/ppo")) == 3
     assert len(losses_logged(trainer, "reward")) == 3 and losses_logged(trainer, "reward_std")[0] > 0
+    assert max(losses_logged(trainer, "sampling/sampling_logp_difference/max")) < 1e-4  # an fp32 engine: no gap
     assert changed(before, student)
 
     # Evaluation after the last step pushes the final weights once; a second one has nothing new to push.
@@ -1209,3 +1211,74 @@ def test_shared_prefix_packing_is_off_when_a_scoring_model_cannot_attend_over_a_
         processing_class=tiny_tokenizer,
     )
     assert trainer.args.share_prefix and not trainer.share_prefix and not trainer.collator.share_prefix
+
+
+def _first_update_log_ratios(trainer, student, batch) -> torch.Tensor:
+    """The PPO log-ratios `log p - log p_old` of every action token at the first update of `batch` (no backward)."""
+    seen = []
+    ppo = trainer_module.ppo_clip_loss
+
+    def spy(logprobs, old_logprobs, *args, **kwargs):
+        seen.append((logprobs - old_logprobs).detach())
+        return ppo(logprobs, old_logprobs, *args, **kwargs)
+
+    trainer_module.ppo_clip_loss = spy
+    try:
+        trainer._batch_loss(student, batch)
+    finally:
+        trainer_module.ppo_clip_loss = ppo
+    return torch.cat(seen)
+
+
+@pytest.mark.parametrize("correct", [True, False], ids=["corrected", "uncorrected"])
+def test_importance_sampling_correction_starts_ppo_at_ratio_one_and_weights_the_engine_gap(
+    tmp_path, world, make_tiny_model, tiny_tokenizer, correct
+):
+    # An engine whose log-probs are off the student's (vLLM's kernels and dtype; here recorded log-probs shifted by
+    # known amounts): with the correction, PPO's old log-probs are the student's own, so the first update's ratio is
+    # exactly 1, and each token's loss is weighted by the engine/student probability ratio, capped as TRL's GRPO caps
+    # it. Without it, the first ratio absorbs the gap.
+    from memopd_trl.scoring import full_logits_action_logprobs
+
+    student = make_tiny_model(seed=0)
+    config = make_config(
+        tmp_path, distill_coef=0.0, num_generations=4, importance_sampling_correction=correct,
+        importance_sampling_mode="token_truncate", importance_sampling_clip_max=2.0,
+    )  # fmt: skip
+    trainer = MemOPDTrainer(
+        model=student, args=config, train_dataset=world.records, env_factory=LengthRewardEnv.factory(),
+        processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    rollout = trainer._rollout(world.records[:2])
+    shifts = torch.tensor([-1.0, 0.3, 0.0])  # ratios e (capped to 2), e^-0.3, 1
+    offset = 0
+    for inv in rollout.invocations:
+        inv.logprobs = [lp + shifts[(offset + k) % 3].item() for k, lp in enumerate(inv.logprobs)]
+        offset += len(inv.logprobs)
+    engine = torch.tensor([lp for inv in rollout.invocations for lp in inv.logprobs])
+    batch = trainer._score(rollout)
+    ratios = _first_update_log_ratios(trainer, student, batch)
+    if not correct:
+        assert batch.sampling_weights is None and torch.equal(batch.old_logprobs, engine)
+        assert ratios.abs().max() > 0.25, "uncorrected, the engine's gap shows in PPO's first ratio"
+        return
+    with torch.no_grad():
+        own = full_logits_action_logprobs(student, rollout.invocations, temperature=1.0)  # each invocation alone
+    torch.testing.assert_close(batch.old_logprobs, own, atol=1e-5, rtol=0)
+    assert torch.equal(batch.sampling_logprobs, engine)
+    torch.testing.assert_close(batch.sampling_weights, (batch.old_logprobs - engine).exp().clamp(max=2.0))
+    assert batch.sampling_weights.max() == 2.0 and batch.sampling_weights.min() < 0.8, "capped and uncapped weights"
+    assert torch.equal(ratios, torch.zeros_like(ratios)), "the first update's PPO ratio is exactly 1"
+    trainer._metrics["train"].clear()
+    trainer._score(rollout)
+    logged = trainer._metrics["train"]
+    assert logged["sampling/importance_sampling_ratio/max"] == [2.0]
+    assert logged["sampling/sampling_logp_difference/max"][0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_importance_sampling_correction_is_on_by_default_with_vllm_only(tmp_path):
+    assert make_config(tmp_path).importance_sampling_correction is None  # resolved by the trainer: `use_vllm`
+    with pytest.raises(ValueError, match="`importance_sampling_mode` must be one of"):
+        make_config(tmp_path, importance_sampling_mode="token")
+    with pytest.raises(ValueError, match="`importance_sampling_clip_max` must be None or > 0"):
+        make_config(tmp_path, importance_sampling_clip_max=0.0)
