@@ -178,12 +178,31 @@ def _segment_attention(query, key, value, dropout, scaling, kwargs) -> torch.Ten
     return out.view(batch_size, seq_len, num_heads, head_dim)
 
 
+def _tree_segments(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    Two `(rows, width)` tensors of a shared-prefix batch: the segment of each token in the flattened rows (a shared
+    prefix, a remainder, an unshared sequence or a row's padding), and the prefix segment its segment continues (-1
+    where it continues none).
+    """
+    rows, width = batch["input_ids"].shape
+    device = batch["input_ids"].device
+    query_lengths = batch["tree_cu_seq_lens_q"].diff().long()
+    cu_k = batch["tree_cu_seq_lens_k"].long()
+    segment = torch.repeat_interleave(torch.arange(len(query_lengths), device=device), query_lengths)  # (rows*width,)
+    # A segment whose keys outnumber its queries continues a prefix: the segment of its first key.
+    first_key_segment = segment[batch["tree_key_index"][cu_k[:-1]]]  # (num_segments,)
+    prefix_segment = torch.where(cu_k.diff() > query_lengths, first_key_segment, -1)
+    return segment.view(rows, width), prefix_segment[segment].view(rows, width)
+
+
 def tree_attention_mask(batch: dict, dtype: torch.dtype = torch.bool) -> torch.Tensor:
     """
     The dense attention mask of a shared-prefix batch, for transformers' `sdpa` and `eager` attention.
 
     Token `t` of a row sees token `s` when `s <= t` and `s` lies in `t`'s own segment or in the prefix that segment
     continues; nothing else (no sibling, no other tree, no other row padding).
+
+    Not transformers' mask functions: they build the same mask 1.6-1.9x slower (docs/benchmarks.md).
 
     Args:
         batch (`dict`):
@@ -195,15 +214,9 @@ def tree_attention_mask(batch: dict, dtype: torch.dtype = torch.bool) -> torch.T
     Returns:
         `torch.Tensor` of shape `(rows, 1, width, width)`.
     """
-    rows, width = batch["input_ids"].shape
+    width = batch["input_ids"].shape[1]
     device = batch["input_ids"].device
-    query_lengths = batch["tree_cu_seq_lens_q"].diff().long()
-    cu_k = batch["tree_cu_seq_lens_k"].long()
-    segment = torch.repeat_interleave(torch.arange(len(query_lengths), device=device), query_lengths)  # (rows*width,)
-    # A segment whose keys outnumber its queries continues a prefix: the segment of its first key.
-    first_key_segment = segment[batch["tree_key_index"][cu_k[:-1]]]  # (num_segments,)
-    prefix_segment = torch.where(cu_k.diff() > query_lengths, first_key_segment, -1)
-    segment, prefix_segment = segment.view(rows, width), prefix_segment[segment].view(rows, width)
+    segment, prefix_segment = _tree_segments(batch)  # (rows, width) each
     visible = (segment[:, None, :] == segment[:, :, None]) | (segment[:, None, :] == prefix_segment[:, :, None])
     visible &= torch.ones(width, width, dtype=torch.bool, device=device).tril()
     visible = visible[:, None]  # (rows, 1, width, width)

@@ -130,14 +130,17 @@ class _StopOnText(StoppingCriteria):
     Ends each row of a batched `generate` call once its generated text contains one of that row's stop strings.
 
     A stop string first appearing at this step ends inside the last token, so a row is decoded (a short window: a stop
-    string spans at most one token per character) only when its last token holds the last character of a stop string.
+    string spans at most one token per UTF-8 byte) only when its last token holds the last character of a stop string,
+    or ends a character split across tokens (alone it decodes to U+FFFD, e.g. the last byte of a byte-level `→`).
+
+    Not `StopStringCriteria`: no per-row strings, matches into the prompt, slow at 150k tokens (docs/benchmarks.md).
     """
 
     def __init__(self, tokenizer, stop_strings: list[tuple[str, ...]], prompt_width: int):
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
         self.prompt_width = prompt_width
-        self.windows = [max((len(s) for s in stops), default=0) + 8 for stops in stop_strings]
+        self.windows = [max((len(s.encode()) for s in stops), default=0) + 8 for stops in stop_strings]
         self.last_chars = [{s[-1] for s in stops if s} for stops in stop_strings]
         self.done: list[bool] = [False] * len(stop_strings)
         self._token_text: dict[int, str] = {}
@@ -151,7 +154,10 @@ class _StopOnText(StoppingCriteria):
         generated = input_ids[:, self.prompt_width :].tolist()  # (batch_size, num_generated)
         for row, ids in enumerate(generated):
             stops = self.stop_strings[row]
-            if self.done[row] or not stops or not any(c in self._text_of(ids[-1]) for c in self.last_chars[row]):
+            if self.done[row] or not stops:
+                continue
+            last = self._text_of(ids[-1])
+            if "\ufffd" not in last and not any(c in last for c in self.last_chars[row]):
                 continue
             text = _decoded_window(self.tokenizer, ids, len(ids), self.windows[row])
             self.done[row] = any(s in text for s in stops)

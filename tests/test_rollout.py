@@ -11,7 +11,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LogitsProces
 from memopd_trl.envs.base import MemoryAgentEnv
 from memopd_trl.metrics import exact_match, qa_f1
 from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world
-from memopd_trl.rollout import GeneratedAction, RolloutEngine, find_stop
+from memopd_trl.rollout import GeneratedAction, RolloutEngine, _StopOnText, find_stop
 from memopd_trl.vllm_backend import VLLMBackend
 
 
@@ -349,7 +349,10 @@ def test_observation_ids_rebuild_the_persistent_history_exactly(tiny_model, tiny
 
 def test_persistent_contexts_extend_the_previous_context_even_for_garbage_actions(tiny_model, tiny_tokenizer):
     engine = RolloutEngine(
-        tiny_model, tiny_tokenizer, factory(max_turns=3, max_malformed=3, memory_policy="full_history"), max_new_tokens=8
+        tiny_model,
+        tiny_tokenizer,
+        factory(max_turns=3, max_malformed=3, memory_policy="full_history"),
+        max_new_tokens=8,
     )
     torch.manual_seed(1)
     episodes, _ = engine.rollout(RECORDS, num_generations=2)
@@ -484,6 +487,71 @@ def test_find_stop_handles_stop_strings_split_across_and_inside_tokens(tiny_toke
     k = find_stop(tiny_tokenizer, tag, ["</search>", "</answer>"])
     assert tiny_tokenizer.decode(tag[:k]) == "x</answer>"
     assert find_stop(tiny_tokenizer, tag, ["</memory>"]) is None
+
+
+def stop_cases(tokenizer) -> list[tuple[list[int], list[int], tuple[str, ...]]]:
+    """
+    (prompt, generated ids, stop strings) of three rows whose stop strings differ, each going on after its stop: a tag
+    split over four tokens whose last character is inside `>..`; a multi-byte character whose bytes are three
+    tokens; and `</answer>` after a prompt that ends in `</answer` (not a stop: the prompt is not generated text)
+    and a `</search>` that is not this row's stop string.
+    """
+
+    def tokens(*names):
+        ids = [tokenizer.convert_tokens_to_ids(name) for name in names]
+        assert tokenizer.unk_token_id not in ids
+        return ids
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    question = encode("Which city is the capital?")
+    return [
+        (question, encode("q") + tokens("<", "/", "search", ">..", "a", "b"), ("</search>",)),
+        (question, encode("a → b c d"), ("→",)),
+        (question[3:] + tokens("<", "/", "answer"), encode("> y</search> </answer> z"), ("</answer>",)),
+    ]
+
+
+def first_text_stop(tokenizer, ids: list[int], stop_strings: tuple[str, ...]) -> int:
+    """The number of tokens after which the decoded text first holds a stop string, by a plain scan."""
+    return next(k for k in range(1, len(ids) + 1) if any(s in tokenizer.decode(ids[:k]) for s in stop_strings))
+
+
+def test_stop_criterion_ends_each_row_at_the_token_that_completes_its_own_stop_string(tiny_tokenizer):
+    cases = stop_cases(tiny_tokenizer)
+    expected = [first_text_stop(tiny_tokenizer, ids, stops) for _, ids, stops in cases]
+    assert all(len(ids) > k for (_, ids, _), k in zip(cases, expected, strict=True))  # text goes on after each stop
+    assert not tiny_tokenizer.decode(cases[0][1][: expected[0]]).endswith("</search>")  # ends inside `>..`
+    assert tiny_tokenizer.decode(cases[1][1][expected[1] - 1 : expected[1]]) == "\ufffd"  # `→`'s last byte alone
+    width, steps = len(cases[0][0]), max(len(ids) for _, ids, _ in cases)
+    padding = tiny_tokenizer("z", add_special_tokens=False)["input_ids"] * steps
+    rows = torch.tensor([prompt + (ids + padding)[:steps] for prompt, ids, _ in cases])  # (3, width + steps)
+    criterion = _StopOnText(tiny_tokenizer, [stops for _, _, stops in cases], prompt_width=width)
+    stopped_at = [None] * len(cases)
+    for step in range(1, steps + 1):
+        for row, done in enumerate(criterion(rows[:, : width + step], None).tolist()):
+            if done and stopped_at[row] is None:
+                stopped_at[row] = step
+    # One token early, the row would be cut before its stop string; one late, it would sample a token for nothing.
+    assert stopped_at == expected
+
+
+def test_generation_ends_at_the_step_the_last_row_completes_its_stop_string(tiny_model, tiny_tokenizer):
+    cases = stop_cases(tiny_tokenizer)
+    force = ForceText(*[ids for _, ids, _ in cases])
+    engine = RolloutEngine(
+        tiny_model,
+        tiny_tokenizer,
+        factory(),
+        max_new_tokens=20,
+        generation_kwargs={"logits_processor": LogitsProcessorList([force])},
+    )
+    actions = engine.generate([cases[0][0]] * len(cases), [stops for _, _, stops in cases], greedy=True)
+    expected = [first_text_stop(tiny_tokenizer, ids, stops) for _, ids, stops in cases]
+    assert [a.output_ids for a in actions] == [ids[:k] for (_, ids, _), k in zip(cases, expected, strict=True)]
+    assert not any(a.truncated for a in actions)
+    assert force.steps == max(expected)  # not `max_new_tokens`, not one step more
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,17 @@
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.masking_utils import (
+    and_masks,
+    causal_mask_function,
+    eager_mask,
+    or_masks,
+    packed_sequence_mask_function,
+    sdpa_mask,
+)
 
 from memopd_trl import attention, scoring
-from memopd_trl.attention import TREE_ATTENTION_IMPLEMENTATIONS, VARLEN_SDPA
+from memopd_trl.attention import TREE_ATTENTION_IMPLEMENTATIONS, VARLEN_SDPA, tree_attention_mask
 from memopd_trl.offline import build_tiny_model
 from memopd_trl.packing import (
     PackedInvocationCollator,
@@ -160,6 +168,34 @@ def test_balanced_rows_use_no_more_rows_and_no_wider_rows_than_first_fit_decreas
     # First-fit decreasing leaves the last of 3 rows nearly empty; balanced rows share the load.
     assert first_fit_decreasing([50, 50, 50, 50, 10], 100) == [[0, 1], [2, 3], [4]]
     assert balanced_rows([50, 50, 50, 50, 10], 100) == [[0, 3], [1, 4], [2]]
+
+
+def transformers_tree_mask_function(batch):
+    """
+    The tree rule in transformers' mask functions: causal, and the key in the query's own segment (a packed sequence)
+    or in the prefix that segment continues.
+    """
+    segment, prefix_segment = attention._tree_segments(batch)  # (rows, width) each
+
+    def in_continued_prefix(batch_idx, head_idx, q_idx, kv_idx):
+        return prefix_segment[batch_idx, q_idx] == segment[batch_idx, kv_idx]
+
+    return and_masks(causal_mask_function, or_masks(packed_sequence_mask_function(segment), in_continued_prefix))
+
+
+@pytest.mark.parametrize("max_tokens_per_row", [None, 64, 128], ids=["one-row", "rows-64", "rows-128"])
+def test_the_tree_mask_is_the_one_transformers_mask_functions_build(invocations, max_tokens_per_row):
+    # Two invocations that share nothing (segments that continue no prefix) beside the trees, split in rows of 64.
+    unshared = [Invocation([9, 8, 7], [1, 2]), Invocation([3], [4])]
+    batch = shared([*invocations, *unshared], max_tokens_per_row=max_tokens_per_row)
+    rows, width = batch["input_ids"].shape
+    assert batch["num_tokens_saved"] > 0 and (rows == 1 or (batch["invocation_index"] == -1).any())  # rows padded
+    mask_function = transformers_tree_mask_function(batch)
+    expected = sdpa_mask(rows, width, width, mask_function=mask_function, allow_is_causal_skip=False)
+    assert torch.equal(tree_attention_mask(batch), expected)
+    for dtype in (torch.float32, torch.bfloat16):  # the additive mask of `eager` attention
+        expected = eager_mask(rows, width, width, mask_function=mask_function, dtype=dtype)
+        assert torch.equal(tree_attention_mask(batch, dtype), expected)
 
 
 # ----- exactness --------------------------------------------------------------------------------------------------
