@@ -174,6 +174,25 @@ class ScoredBatch:
     def num_actions(self) -> int:
         return len(self.old_logprobs)
 
+    def sampling_metrics(self) -> dict[str, float]:
+        """
+        With `importance_sampling_correction`, the gap between the sampling engine and the student, by TRL's log names:
+        `sampling/sampling_logp_difference/{mean,max}` (per token, nats) and
+        `sampling/importance_sampling_ratio/{min,mean,max}` (the weights).
+        """
+        if self.sampling_weights is None:
+            return {}
+        gap = (self.old_logprobs - self.sampling_logprobs).abs()
+        gap = gap[~gap.isnan()]  # tokens the engine did not score
+        metrics = {}
+        if len(gap):
+            metrics["sampling/sampling_logp_difference/mean"] = gap.mean().item()
+            metrics["sampling/sampling_logp_difference/max"] = gap.max().item()
+        weights = self.sampling_weights
+        for name, value in (("min", weights.min()), ("mean", weights.mean()), ("max", weights.max())):
+            metrics[f"sampling/importance_sampling_ratio/{name}"] = value.item()
+        return metrics
+
     @property
     def student_rows(self) -> list[dict[str, Any]]:
         """The rows the student's loss forwards: the rollout's, or the joint rows with the teacher's episodes."""

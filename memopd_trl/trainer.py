@@ -510,7 +510,7 @@ class MemOPDTrainer(_BaseTrainer):
         own log-probs at the rollout become PPO's old log-probs, and each token's PPO loss is weighted by
         `p_student / p_engine` (`losses.importance_sampling_weights`), its gap to the engine logged as TRL logs it.
         """
-        args, metrics = self.args, self._metrics["train"]
+        args = self.args
         batch.sampling_logprobs = batch.old_logprobs
         batch.old_logprobs = self._sampled_logprobs(self.accelerator.unwrap_model(self.model), batch)
         batch.sampling_weights = importance_sampling_weights(
@@ -521,14 +521,8 @@ class MemOPDTrainer(_BaseTrainer):
             clip_min=args.importance_sampling_clip_min,
             clip_max=args.importance_sampling_clip_max,
         )  # (N,)
-        gap = (batch.old_logprobs - batch.sampling_logprobs).abs()
-        gap = gap[~gap.isnan()]
-        if len(gap):
-            metrics["sampling/sampling_logp_difference/mean"].append(gap.mean().item())
-            metrics["sampling/sampling_logp_difference/max"].append(gap.max().item())
-        weights = batch.sampling_weights
-        for name, value in (("min", weights.min()), ("mean", weights.mean()), ("max", weights.max())):
-            metrics[f"sampling/importance_sampling_ratio/{name}"].append(value.item())
+        for name, value in batch.sampling_metrics().items():
+            self._metrics["train"][name].append(value)
 
     def _compute_advantages(
         self, rollout: Rollout, rows: list[dict[str, Any]]
