@@ -154,6 +154,11 @@ def parse_args(argv: list[str] | None) -> tuple[ScriptArguments, MemOPDConfig, M
         close = difflib.get_close_matches(flag, valid, n=1)
         fail(f"unknown argument {flag}" + (f"; did you mean {close[0]}?" if close else " (--help lists them all)"))
     path, real = Path(args.dataset), model_args.model_name_or_path is not None
+    if not real:  # the offline world's sizes (in real mode they only limit the dataset)
+        try:
+            args.check_world_sizes()
+        except ValueError as error:
+            fail(str(error))
     looks_local = path.suffix in (".json", ".jsonl") or args.dataset.startswith(("/", ".", "~")) or len(path.parts) > 2
     if args.dataset != "synthetic" and not path.exists() and looks_local:
         fail(f"--dataset {args.dataset}: no such file. Give a HotpotQA .json/.jsonl file, a Hub id such as "

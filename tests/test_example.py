@@ -207,3 +207,15 @@ def test_real_mode_trains_local_checkpoints_on_a_local_hotpotqa_file(
     assert (saved / "adapter_config.json").exists(), "real.yaml saves each arm's model (LoRA adapters with --use_peft)"
     assert set(json.loads((saved / "adapter_config.json").read_text())["target_modules"]) == {"q_proj", "v_proj"}
     assert "MemOPD" in (saved / "README.md").read_text()
+
+
+def test_the_offline_worlds_sizes_are_checked_offline_only(hotpot, tmp_path, hotpot_sample_path):
+    # Offline, a held-out set too small for one two-part task stops before the set-up, in one line; in real mode the
+    # same flag only limits the dataset's held-out questions.
+    with pytest.raises(SystemExit, match=r"`num_sub_questions` \(2\) exceeds"):
+        hotpot.parse_args(["--num_eval_questions", "1", "--output_dir", str(tmp_path)])
+    real = ["--model_name_or_path", "local/model", "--teacher_model_name_or_path", "local/model"]
+    args, _, _ = hotpot.parse_args(
+        ["--num_eval_questions", "1", *real, "--dataset", str(hotpot_sample_path), "--output_dir", str(tmp_path)]
+    )
+    assert args.num_eval_questions == 1

@@ -60,7 +60,7 @@ def test_config_rejects_bad_values_naming_the_field():
     with pytest.raises(ValueError, match="`pretrain_questions` must be >= 0"):
         OfflineConfig(pretrain_questions=-1)
     with pytest.raises(ValueError, match="`pretrain_questions` \\(7000\\) exceeds `num_train_questions`"):
-        OfflineConfig(pretrain_questions=7000)
+        OfflineConfig(pretrain_questions=7000).check_world_sizes()  # checked when the world is built
     with pytest.raises(ValueError, match="`pretrain_epochs` must be > 0"):
         OfflineConfig(pretrain_epochs=0)
 

@@ -276,6 +276,22 @@ class OfflineConfig:
         metadata={"help": "Weight of the context tokens' next-token loss in imitation (0 = actions only)."},
     )
 
+    def check_world_sizes(self) -> None:
+        """
+        The checks of the world's sizes against each other, made when the offline world is built (a run on real data
+        takes `num_train_questions` / `num_eval_questions` as limits on its dataset, where these do not apply).
+        """
+        if self.num_sub_questions > min(self.num_train_questions, self.num_eval_questions):
+            raise ValueError(
+                f"`num_sub_questions` ({self.num_sub_questions}) exceeds `num_train_questions` or "
+                f"`num_eval_questions` ({self.num_train_questions}, {self.num_eval_questions}): no task can be made."
+            )
+        if self.pretrain_questions > self.num_train_questions:
+            raise ValueError(
+                f"`pretrain_questions` ({self.pretrain_questions}) exceeds `num_train_questions` "
+                f"({self.num_train_questions}): pretraining uses training questions only."
+            )
+
     def __post_init__(self):
         for name in ("num_train_questions", "num_eval_questions", "retrieval_top_k", "max_malformed", "vocab_size"):
             if getattr(self, name) < 1:
@@ -290,18 +306,8 @@ class OfflineConfig:
             raise ValueError(f"`expert_mistake_prob` must be in [0, 1], got {self.expert_mistake_prob}.")
         if self.num_sub_questions < 1:
             raise ValueError(f"`num_sub_questions` must be >= 1 (1 = single questions), got {self.num_sub_questions}.")
-        if self.num_sub_questions > min(self.num_train_questions, self.num_eval_questions):
-            raise ValueError(
-                f"`num_sub_questions` ({self.num_sub_questions}) exceeds `num_train_questions` or "
-                f"`num_eval_questions` ({self.num_train_questions}, {self.num_eval_questions}): no task can be made."
-            )
         if self.pretrain_questions < 0:
             raise ValueError(f"`pretrain_questions` must be >= 0 (0 turns it off), got {self.pretrain_questions}.")
-        if self.pretrain_questions > self.num_train_questions:
-            raise ValueError(
-                f"`pretrain_questions` ({self.pretrain_questions}) exceeds `num_train_questions` "
-                f"({self.num_train_questions}): pretraining uses training questions only."
-            )
         if self.pretrain_epochs <= 0:
             raise ValueError(f"`pretrain_epochs` must be > 0, got {self.pretrain_epochs}.")
         if not 0.0 <= self.lookup_fraction <= 1.0:
@@ -398,6 +404,7 @@ def make_offline_world(config: OfflineConfig, **env_kwargs) -> OfflineWorld:
     Returns:
         `OfflineWorld`: the world, its training and held-out records and its environment factory.
     """
+    config.check_world_sizes()
     num_train = config.num_train_questions
     world = make_synthetic_world(
         num_train + config.num_eval_questions,
