@@ -8,6 +8,7 @@ positions are `0..len-1`), the exact token ids it sampled (never re-tokenized fr
 log-probabilities. Later stages score exactly these tokens (invariant 1, provenance, in docs/design.md).
 """
 
+import inspect
 import logging
 import time
 import warnings
@@ -80,6 +81,12 @@ class _LiveEpisode:
 # The scores every `MemoryAgentEnv` keeps after its final step (`score()` returns at least these; they are 0 until
 # an answer is scored). An environment reports other or more scores with a `metrics` dict of its own.
 _ENV_SCORE_NAMES = ("f1", "em")
+
+
+def _cache_keyword(model) -> str:
+    """The keyword a transformers model's forward takes its KV cache by: `cache` in the transformers this project pins,
+    `past_key_values` in the older one that vLLM's CPU build pins (5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _final_metrics(env) -> dict[str, float]:
@@ -733,7 +740,7 @@ class RolloutEngine:
                     )
                     self.share_prefix, cache = False, None
                 if cache is not None:
-                    kwargs["cache"] = cache
+                    kwargs[_cache_keyword(model)] = cache
             out = model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
@@ -782,9 +789,9 @@ class RolloutEngine:
             input_ids=input_ids[first, :-1],
             attention_mask=attention_mask[first, :-1],
             position_ids=position_ids[first, :-1],
-            cache=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{_cache_keyword(self.model): cache},
         )
         cache.batch_select_indices(inverse)  # (batch_size, ...) per layer: every row its twin's keys and values
         saved = attention_mask[:, :-1].sum() - attention_mask[first, :-1].sum()
