@@ -16,11 +16,11 @@ import torch
 
 from .losses import chunked_generalized_jsd
 from .records import Invocation
-from .step import TeacherScores
+from .step import TeacherScores, TopKTeacherScores
 
 
 if TYPE_CHECKING:
-    from .teacher import LocalTeacher
+    from .teacher import LocalTeacher, ServerTeacher
 
 
 def auditable_invocations(invocations: list[Invocation], max_length: int | None) -> tuple[list[int], torch.Tensor]:
@@ -125,13 +125,24 @@ class AlignmentAudit:
         return True
 
     def __call__(
-        self, teacher: "LocalTeacher", invocations: list[Invocation], aligned: TeacherScores
+        self,
+        teacher: "LocalTeacher | ServerTeacher",
+        invocations: list[Invocation],
+        aligned: "TeacherScores | TopKTeacherScores",
     ) -> dict[str, float]:
         """The audit's metrics for `invocations`, whose aligned scores are `aligned`; `{}` when nothing is audited."""
-        kept, tokens = auditable_invocations(invocations, teacher.collators["persistent"].max_model_length)
+        kept, tokens = auditable_invocations(invocations, teacher.max_model_length)
         audited = [invocations[i] for i in kept]
         if not self.every_process_has(len(tokens) > 0):
             return {}
+        if isinstance(aligned, TopKTeacherScores):  # the sampled tokens' log-probs in both layouts
+            action_ids = torch.tensor([t for inv in audited for t in inv.output_ids], device=aligned.logprobs.device)
+            persistent = teacher.score(audited, "persistent", action_ids=action_ids)  # (N_audited, ...)
+            aligned_sampled = aligned.sampled_logprobs[tokens.to(aligned.logprobs.device)]
+            gap = (aligned_sampled - persistent.sampled_logprobs).abs().cpu()
+            name = "misalignment/sampled_logprob_gap"
+            by_turn = {f"{name}_turn_{turn}": value for turn, value in mean_by_turn(gap, audited).items()}
+            return {name: gap.mean().item(), **by_turn}
         persistent = teacher.score(audited, "persistent")  # (N_audited, ...), in the order of `audited`
         kl = misalignment_kl(aligned, persistent.hidden, tokens.to(aligned.hidden.device), teacher.chunk_size)
         by_turn = {f"misalignment/kl_turn_{turn}": value for turn, value in mean_by_turn(kl, audited).items()}

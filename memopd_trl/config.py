@@ -55,6 +55,16 @@ class MemOPDConfig(_BaseConfig):
             Teacher model id or path, used when the trainer is given no `teacher_model`.
         teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
             Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string.
+        teacher_model_server_url (`str`, *optional*):
+            Base URL of a vLLM OpenAI-compatible server hosting the teacher (e.g. `"http://127.0.0.1:8000"`, served
+            with `vllm serve TEACHER --max-logprobs K`), as in TRL's server distillation. The teacher is then never
+            loaded in a training process: every recorded invocation is sent as its own token ids and the server
+            returns its top-`loss_top_k` log-probs at each action token. Needs `loss_top_k` >= 1.
+        teacher_server_timeout (`float`, *optional*, defaults to `300.0`):
+            Seconds one request to the teacher server may take.
+        teacher_server_max_retries (`int`, *optional*, defaults to `3`):
+            Retries of a failed request to the teacher server (connection error, timeout, 5xx), with exponential
+            backoff from 1 s; then the step fails with an error naming the URL and the attempts.
         attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
             Attention implementation of the student when loaded from a string: `"eager"`, `"sdpa"`,
             `"flex_attention"`, `"flash_attention_2"`, `"flash_attention_3"` or `"memopd_sdpa_varlen"` (padding-free
@@ -116,6 +126,13 @@ class MemOPDConfig(_BaseConfig):
             Generalized JSD interpolation: 0 is forward KL(teacher || student), 1 is reverse KL(student || teacher).
         distill_temperature (`float`, *optional*, defaults to `1.0`):
             Temperature of both distributions in the distillation loss.
+        loss_top_k (`int`, *optional*, defaults to `0`):
+            Number of the teacher's most likely tokens the distillation loss is taken on, with one tail bucket for
+            the rest of the mass (`loss_add_tail`), as in TRL's server distillation. 0 = the full vocabulary (a local
+            teacher only). A teacher server returns this many log-probs per position.
+        loss_add_tail (`bool`, *optional*, defaults to `True`):
+            With `loss_top_k`, whether both distributions get a tail bucket holding their mass off the teacher's
+            top-k (otherwise both are renormalized over it).
         teacher_scoring (`str`, *optional*, defaults to `"aligned"`):
             `"aligned"`: the teacher scores each action in the exact context the student sampled it in (MemOPD).
             `"persistent"`: the teacher scores each action under the episode flattened into one growing history
@@ -264,6 +281,20 @@ class MemOPDConfig(_BaseConfig):
         default=None,
         metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string."},
     )
+    teacher_model_server_url: str | None = field(
+        default=None,
+        metadata={
+            "help": 'Base URL of a vLLM server hosting the teacher (e.g. "http://127.0.0.1:8000"); the teacher is then '
+            "never loaded in a training process. Needs `loss_top_k` >= 1."
+        },
+    )
+    teacher_server_timeout: float = field(
+        default=300.0, metadata={"help": "Seconds one request to the teacher server may take."}
+    )
+    teacher_server_max_retries: int = field(
+        default=3,
+        metadata={"help": "Retries of a failed teacher-server request (exponential backoff from 1 s) before failing."},
+    )
     attn_implementation: str = field(
         default="sdpa",
         metadata={
@@ -356,6 +387,17 @@ class MemOPDConfig(_BaseConfig):
     )
     distill_temperature: float = field(
         default=1.0, metadata={"help": "Temperature of both distributions in the distillation loss."}
+    )
+    loss_top_k: int = field(
+        default=0,
+        metadata={
+            "help": "Distill on the teacher's top-k tokens plus a tail bucket (TRL's server distillation); 0 = the "
+            "full vocabulary (local teacher only). A teacher server returns this many log-probs per position."
+        },
+    )
+    loss_add_tail: bool = field(
+        default=True,
+        metadata={"help": "With `loss_top_k`: a tail bucket for the mass off the teacher's top-k (else renormalize)."},
     )
     teacher_scoring: str = field(
         default="aligned",
@@ -524,6 +566,39 @@ class MemOPDConfig(_BaseConfig):
                 stacklevel=4,
             )
 
+    def _check_teacher_server(self):
+        """What a teacher on a server can and cannot give, refused here before any model is loaded."""
+        url = self.teacher_model_server_url
+        if not url.strip():
+            raise ValueError("`teacher_model_server_url` is empty: give the teacher server's base URL, or None.")
+        if self.teacher_model_name_or_path is not None:
+            raise ValueError(
+                f"Both `teacher_model_server_url` ({url}) and `teacher_model_name_or_path` "
+                f"({self.teacher_model_name_or_path}) are set: the teacher is either served or loaded, not both."
+            )
+        if self.loss_top_k < 1:
+            raise ValueError(
+                f"A teacher server ({url}) gives its top-k log-probs only: set `loss_top_k` >= 1 (the log-probs per "
+                "position, at most the server's `--max-logprobs`)."
+            )
+        if self.teacher_generations > 0:
+            raise ValueError(
+                f"`teacher_generations` ({self.teacher_generations}) needs the teacher's weights in the training "
+                f"process to play its own episodes; the teacher at {url} is served. Set `teacher_generations=0`."
+            )
+        # vLLM computes prompt log-probs from the raw logits: no sampling temperature applies to them.
+        if self.distill_temperature != 1.0:
+            raise ValueError(
+                f"A teacher server ({url}) scores at temperature 1 (vLLM applies no temperature to prompt "
+                f"log-probs): `distill_temperature` must be 1.0, got {self.distill_temperature}."
+            )
+        if self.temperature != 1.0 and (self.sampled_kl_coef > 0 or self.distill_divergence_threshold > 0):
+            raise ValueError(
+                f"`sampled_kl_coef` and `distill_divergence_threshold` compare the teacher's log-prob of each sampled "
+                f"token at the sampling temperature ({self.temperature}), but a teacher server ({url}) scores at "
+                "temperature 1: sample at `temperature=1.0`, or turn both off."
+            )
+
     def _check(self):
         def bad(name: str, allowed: str):
             raise ValueError(f"`{name}` must be {allowed}, got {getattr(self, name)!r}.")
@@ -560,6 +635,15 @@ class MemOPDConfig(_BaseConfig):
             )
         if not 0.0 <= self.beta <= 1.0:
             bad("beta", "in [0, 1]")
+        if self.loss_top_k < 0:
+            bad("loss_top_k", ">= 0 (0 = the full vocabulary)")
+        if self.teacher_server_max_retries < 0 or self.teacher_server_timeout <= 0:
+            raise ValueError(
+                "`teacher_server_max_retries` must be >= 0 and `teacher_server_timeout` > 0, got "
+                f"{self.teacher_server_max_retries} and {self.teacher_server_timeout}."
+            )
+        if self.teacher_model_server_url is not None:
+            self._check_teacher_server()
         if self.epsilon_high is not None and self.epsilon_high < 0:
             bad("epsilon_high", ">= 0 or None")
         for name in ("distill_temperature", "temperature"):

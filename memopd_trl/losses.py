@@ -10,6 +10,8 @@ below is the total number of sampled tokens in a batch.
   in token chunks, so the `(N, vocab_size)` logits of either model never exist at once. This is what the trainer uses.
 - [`distillation_diagnostics`]: teacher confidence, argmax agreement, forward and reverse KL, student entropy per
   action token, from the same chunked tiles (for logging).
+- [`topk_generalized_jsd`], [`logprobs_at`], [`topk_logprobs`]: the same divergence on a teacher's top-k log-probs
+  plus a tail bucket (a teacher on its own server gives no more), as TRL's server distillation defines it.
 - [`ppo_clip_loss`], [`kl_penalty`], [`value_loss`]: the reinforcement-learning terms; [`sampled_kl_advantages`], the
   per-token teacher reward `log q(a) - log p(a)` at the sampled token.
 - [`group_normalized_advantages`], [`gae_advantages`], [`final_reward_gae`], [`broadcast_to_tokens`]: advantage
@@ -647,6 +649,210 @@ def sampled_kl_advantages(teacher_logprobs: torch.Tensor, old_logprobs: torch.Te
     """
     _check_same_1d("sampled_kl_advantages", teacher_logprobs=teacher_logprobs, old_logprobs=old_logprobs)
     return (teacher_logprobs.detach() - old_logprobs.detach()).float()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Distillation on a teacher's top-k (a teacher served on its own machine)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def topk_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    k: int = 1,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    A model's `k` most likely tokens at each position and their log-probs (no grad), from its final hidden states
+    and LM head, chunk by chunk: what a teacher server returns, computed from a local teacher (the local teacher
+    restricted to its top-k).
+
+    Args:
+        hidden (`torch.Tensor` of shape `(num_tokens, hidden_size)`): the final hidden states.
+        weight (`torch.Tensor` of shape `(vocab_size, hidden_size)`): the LM head.
+        bias (`torch.Tensor` of shape `(vocab_size,)`, *optional*): its bias.
+        k (`int`): how many tokens per position (at most `vocab_size`).
+        temperature (`float`): the softmax temperature.
+        chunk_size (`int`): positions per chunk.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: fp32 log-probs `(num_tokens, k)`, in descending order, and their token
+        ids `(num_tokens, k)`.
+    """
+    _check_beta_temperature(0.0, temperature, "topk_logprobs")
+    if not 1 <= k <= weight.shape[0]:
+        raise ValueError(f"topk_logprobs: `k` must be in [1, vocab_size={weight.shape[0]}], got {k}.")
+    values, ids = [], []
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk_size):
+            log_probs = _log_probs_tile(hidden[start : start + chunk_size], weight, bias, temperature)
+            top = log_probs.topk(k, dim=-1)
+            values.append(top.values.float())
+            ids.append(top.indices)
+    if not values:
+        return hidden.new_zeros(0, k, dtype=torch.float32), torch.zeros(0, k, dtype=torch.long, device=hidden.device)
+    return torch.cat(values), torch.cat(ids)
+
+
+def _logprobs_at_tile(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, token_ids: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(hidden.to(weight.dtype), weight, bias)
+    logits = logits.to(torch.promote_types(weight.dtype, torch.float32)) / temperature
+    log_probs = logits.log_softmax(dim=-1)  # (chunk, V); out of place: `_log_probs_tile` is for no-grad tiles
+    picked = log_probs.gather(-1, token_ids)  # (chunk, k)
+    rest = log_probs.scatter(-1, token_ids, float("-inf")).logsumexp(-1)  # (chunk,): the mass off `token_ids`
+    return picked, rest
+
+
+def logprobs_at(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    A model's log-probs of given tokens at each position (the student's at the teacher's top-k) and the log of its
+    mass on every other token, with gradients, chunk by chunk: each chunk's `(chunk, vocab_size)` log-softmax is
+    recomputed in the backward pass (`torch.utils.checkpoint`), so one chunk's exists at a time.
+
+    The rest of the mass is summed over the other tokens rather than taken as `1 - sum(p)`, which in fp32 loses a
+    small tail to rounding (an error of 1e-7 is 1% of a tail of 1e-5).
+
+    Args:
+        hidden (`torch.Tensor` of shape `(num_tokens, hidden_size)`): the final hidden states.
+        weight (`torch.Tensor` of shape `(vocab_size, hidden_size)`), bias (`torch.Tensor`, *optional*): the LM head.
+        token_ids (`torch.Tensor` of shape `(num_tokens, k)`): the tokens to read at each position.
+        valid (`torch.Tensor` of shape `(num_tokens, k)`, bool, *optional*): the entries of `token_ids` that name a
+            token (padding is `False`, and counts in the rest of the mass); all by default.
+        temperature (`float`): the softmax temperature.
+        chunk_size (`int`): positions per chunk.
+
+    Returns:
+        `tuple[torch.Tensor, torch.Tensor]`: fp32 log-probs `(num_tokens, k)`, and the log of the mass on every token
+        not in `token_ids` `(num_tokens,)`.
+    """
+    _check_beta_temperature(0.0, temperature, "logprobs_at")
+    if token_ids.dim() != 2 or token_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"logprobs_at: `token_ids` must be (num_tokens={hidden.shape[0]}, k), got {tuple(token_ids.shape)}."
+        )
+    if valid is not None:  # padding points at the first (valid) entry: a repeated id changes no sum
+        token_ids = torch.where(valid, token_ids, token_ids[:, :1])
+    dtype = _compute_dtype(hidden, weight)
+    picked, rest = [], []
+    with torch.autocast(hidden.device.type, enabled=False):
+        weight, bias = _cast_head(weight, bias, dtype)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            tile = torch.utils.checkpoint.checkpoint(
+                _logprobs_at_tile, hidden[rows], weight, bias, token_ids[rows], temperature, use_reentrant=False
+            )
+            picked.append(tile[0])
+            rest.append(tile[1])
+    if not picked:
+        empty = hidden.new_zeros(token_ids.shape, dtype=torch.float32)
+        return empty, empty[:, 0]
+    return torch.cat(picked).float(), torch.cat(rest).float()
+
+
+# The smallest tail TRL's server distillation keeps: its top-k mass is capped at `exp(-1e-7)`.
+_MIN_TAIL_LOGPROB = math.log(-math.expm1(-1e-7))
+
+
+def add_tail_bucket(log_probs: torch.Tensor, valid: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
+    """
+    Appends to each position's top-k log-probs a last entry holding the rest of the mass, `log(1 - sum(p_topk))`:
+    a proper distribution over `k + 1` outcomes (TRL's server distillation's tail bucket, with its floor: the
+    top-k's mass is capped at `exp(-1e-7)` so that the tail stays finite).
+
+    Args:
+        log_probs (`torch.Tensor` of shape `(num_tokens, k)`): log-probs of `k` distinct tokens.
+        valid (`torch.Tensor` of shape `(num_tokens, k)`, bool): the entries that hold one (padding is `False`).
+        tail (`torch.Tensor` of shape `(num_tokens,)`, *optional*): the log of the rest of the mass, where it is
+            known directly ([`logprobs_at`]); the same value up to rounding, with a well-conditioned gradient.
+
+    Returns:
+        `torch.Tensor` of shape `(num_tokens, k + 1)`; invalid entries are `-inf`.
+    """
+    log_probs = log_probs.masked_fill(~valid, float("-inf"))
+    if tail is None:
+        covered = log_probs.logsumexp(dim=-1).clamp(max=-1e-7)
+        tail = torch.log(-torch.expm1(covered))
+    else:
+        tail = tail.clamp(min=_MIN_TAIL_LOGPROB)
+    return torch.cat([log_probs, tail.unsqueeze(-1)], dim=-1)
+
+
+def topk_generalized_jsd(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    beta: float = 0.5,
+    add_tail: bool = True,
+    student_tail: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """
+    The generalized JSD per token on the teacher's top-k support: what a teacher that gives only its `k` most likely
+    tokens supports (a teacher server). Follows the definitions of TRL's server distillation, for every `beta`.
+
+    With `add_tail` (the default), each side is its `k` log-probs plus a tail bucket for the rest of its mass
+    ([`add_tail_bucket`]), so both are proper distributions over the same `k + 1` outcomes and the divergence of
+    [`generalized_jsd_loss`] is well defined on them: `beta = 0` is the forward KL(teacher || student) on the top-k
+    plus the tail, `beta = 1` the reverse KL on the same support. Without it each side is renormalized over the
+    top-k. When `k` covers the whole vocabulary the tail holds no mass and the value equals the full-vocabulary
+    divergence.
+
+    Args:
+        student_logprobs (`torch.Tensor` of shape `(num_tokens, k)`):
+            The student's log-probs (over its whole vocabulary) of the teacher's top-k tokens ([`logprobs_at`]).
+        teacher_logprobs (`torch.Tensor` of shape `(num_tokens, k)`):
+            The teacher's top-k log-probs; `-inf` marks padding where a position has fewer than `k`.
+        beta (`float`, *optional*, defaults to `0.5`): as in [`generalized_jsd_loss`].
+        add_tail (`bool`, *optional*, defaults to `True`): TRL's `loss_add_tail`.
+        student_tail (`torch.Tensor` of shape `(num_tokens,)`, *optional*): the log of the student's mass off the
+            top-k, from [`logprobs_at`]; taken as `1 - sum` of `student_logprobs` when not given.
+
+    Returns:
+        `torch.Tensor` of shape `(num_tokens,)`, fp32.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl.losses import topk_generalized_jsd
+    >>> teacher = torch.tensor([[0.7, 0.2]]).log()  # the teacher's top-2; 0.1 elsewhere
+    >>> student = torch.tensor([[0.5, 0.3]]).log()  # the student's mass on those two tokens; 0.2 elsewhere
+    >>> round(topk_generalized_jsd(student, teacher, beta=0.0).item(), 4)  # KL([.7, .2, .1] || [.5, .3, .2])
+    0.0851
+    ```
+    """
+    _check_beta_temperature(beta, 1.0, "topk_generalized_jsd")
+    if student_logprobs.shape != teacher_logprobs.shape or student_logprobs.dim() != 2:
+        raise ValueError(
+            "topk_generalized_jsd: `student_logprobs` and `teacher_logprobs` must both be (num_tokens, k), got "
+            f"{tuple(student_logprobs.shape)} and {tuple(teacher_logprobs.shape)}."
+        )
+    student_logprobs, teacher_logprobs = student_logprobs.float(), teacher_logprobs.float()
+    valid = torch.isfinite(teacher_logprobs)  # (n, k)
+    if add_tail:
+        student = add_tail_bucket(student_logprobs, valid, student_tail)
+        teacher = add_tail_bucket(teacher_logprobs, valid)
+        valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=-1)  # (n, k + 1)
+    else:
+        student = student_logprobs.masked_fill(~valid, float("-inf"))
+        teacher = teacher_logprobs.masked_fill(~valid, float("-inf"))
+        student = student - student.logsumexp(dim=-1, keepdim=True)
+        teacher = teacher - teacher.logsumexp(dim=-1, keepdim=True)
+    # Padding holds 0 (a finite stand-in) before the pointwise terms, so that no NaN reaches the backward pass.
+    terms = _pointwise_generalized_jsd(
+        torch.where(valid, student, 0.0), torch.where(valid, teacher, 0.0), float(beta)
+    )  # (n, k [+ 1])
+    return torch.where(valid, terms, 0.0).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -141,6 +141,21 @@ def _build_sequences(
     return sequences
 
 
+def rebuilt_sequences(
+    invocations: list[Invocation], history: str = "aligned", max_model_length: int | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """
+    The sequences a scorer reads, unpacked: each invocation's context and action (`history="aligned"`), or each
+    episode flattened into its persistent history (`"persistent"`), as a teacher server is sent them.
+
+    Returns:
+        `list[tuple[list[int], list[int]]]`: per sequence, its token ids and, per token, the canonical index of the
+        action token it is (`-1` off actions). The model's distribution over a token at position `p` is read at
+        position `p - 1`.
+    """
+    return [(seq.token_ids, seq.action_target_index) for seq in _build_sequences(invocations, history, max_model_length)]
+
+
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """
     Assign items to bins by first-fit decreasing: longest first (ties keep input order), each into the first bin with

@@ -113,6 +113,28 @@ class TeacherScores:
 
 
 @dataclass
+class TopKTeacherScores:
+    """
+    What a teacher that gives only its `k` most likely tokens says about the action tokens (a teacher on its own
+    server, or a local one restricted to its top-k, `MemOPDConfig.loss_top_k`): the losses are then taken on that
+    support plus a tail bucket (`losses.topk_generalized_jsd`).
+
+    Args:
+        logprobs (`torch.Tensor` of shape `(N, k)`): the teacher's top-k log-probs at each action token, in
+            descending order, at temperature 1 (`-inf` pads a position that has fewer).
+        token_ids (`torch.Tensor` of shape `(N, k)`): their token ids.
+        sampled_logprobs (`torch.Tensor` of shape `(N,)`, *optional*): the teacher's log-prob of each sampled token.
+    """
+
+    logprobs: torch.Tensor
+    token_ids: torch.Tensor
+    sampled_logprobs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.logprobs.shape[0]
+
+
+@dataclass
 class TeacherPlay:
     """
     The teacher's own episodes (`teacher_generations`), distilled into the student beside its rollout.
@@ -125,7 +147,7 @@ class TeacherPlay:
     """
 
     invocations: list[Invocation]
-    teacher: TeacherScores
+    teacher: "TeacherScores | TopKTeacherScores"
     joint_rows: list[dict[str, Any]]
 
 
@@ -163,7 +185,7 @@ class ScoredBatch:
     rewarded: torch.Tensor
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
-    teacher: TeacherScores | None = None
+    teacher: TeacherScores | TopKTeacherScores | None = None
     distill_mask: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     teacher_play: TeacherPlay | None = None

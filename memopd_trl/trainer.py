@@ -60,8 +60,10 @@ from .losses import (
     group_normalized_advantages,
     importance_sampling_weights,
     kl_penalty,
+    logprobs_at,
     ppo_clip_loss,
     sampled_kl_advantages,
+    topk_generalized_jsd,
     until_first_divergence,
     value_loss,
 )
@@ -88,8 +90,8 @@ from .sharding import (
     prepare_frozen_model,
     rows_for_every_process,
 )
-from .step import LossPiece, Rollout, ScoredBatch, SkippedBatch, TeacherPlay
-from .teacher import LocalTeacher
+from .step import LossPiece, Rollout, ScoredBatch, SkippedBatch, TeacherPlay, TopKTeacherScores
+from .teacher import LocalTeacher, ServerTeacher
 from .validation import (
     apply_env_overrides,
     as_dataset,
@@ -302,11 +304,22 @@ class MemOPDTrainer(_BaseTrainer):
         packing = dict(max_tokens_per_row=args.max_tokens_per_row, pad_token_id=pad, share_prefix=self.share_prefix)
         self.collator = PackedInvocationCollator(max_model_length=max_model_length(self.model), **packing)
         self.teacher, self.audit = None, None
-        if self.teacher_model is None:
-            return
         if args.teacher_scoring == "aligned" and args.misalignment_audit_steps > 0:
             # The live alignment audit scores the aligned teacher's actions again under the persistent history.
             self.audit = AlignmentAudit(args.misalignment_audit_steps, self._every_process_has)
+        if args.teacher_model_server_url is not None:  # the teacher on its own server, checked before any rollout
+            self.teacher = ServerTeacher(
+                args.teacher_model_server_url,
+                self.processing_class,
+                args.loss_top_k,
+                device=self.accelerator.device,
+                timeout=args.teacher_server_timeout,
+                max_retries=args.teacher_server_max_retries,
+            )
+            return
+        if self.teacher_model is None:
+            self.audit = None
+            return
         length = max_model_length(self.accelerator.unwrap_model(self.teacher_model))
         layouts = {args.teacher_scoring} | ({"persistent"} if self.audit is not None else set())
         self.teacher = LocalTeacher(
@@ -317,6 +330,8 @@ class MemOPDTrainer(_BaseTrainer):
             self.vocab_size,
             args.temperature,
             args.logit_chunk_size,
+            top_k=args.loss_top_k,
+            distill_temperature=args.distill_temperature,
         )
 
     def _build_engines(self) -> None:
@@ -485,6 +500,7 @@ class MemOPDTrainer(_BaseTrainer):
         """
         args = self.args
         need_sampled = args.sampled_kl_coef > 0 or args.distill_divergence_threshold > 0
+        need_sampled = need_sampled or (args.loss_top_k > 0 and self.audit is not None)  # its top-k audit reads them
         action_ids = action_token_ids(batch.packed) if need_sampled else None
         batch.teacher = self.teacher.score(rollout.invocations, args.teacher_scoring, batch.rows, action_ids)
         if args.distill_divergence_threshold > 0:
@@ -780,36 +796,42 @@ class MemOPDTrainer(_BaseTrainer):
     def _distill_term(self, batch: ScoredBatch, actions, hidden, play_actions, play_hidden, student_head, counts):
         """
         The row's share of the distillation loss, `distill_coef` times the generalized JSD over the kept tokens of the
-        rollout and the teacher's own episodes; also collects the `distill/*` diagnostics (logged only).
+        rollout and the teacher's own episodes (on the full vocabulary, or on the teacher's top-k plus a tail bucket);
+        also collects the `distill/*` diagnostics (logged only; full-vocabulary teachers).
         """
         args, sums = self.args, self._loss_sums
         weight, bias = student_head
-        with batch.teacher.lm_head() as (teacher_weight, teacher_bias):
-            jsd = functools.partial(
-                chunked_generalized_jsd,
-                student_weight=weight,
-                teacher_weight=teacher_weight,
-                beta=args.beta,
-                temperature=args.distill_temperature,
-                student_bias=bias,
-                teacher_bias=teacher_bias,
-                chunk_size=args.logit_chunk_size,
-            )
+        top_k = isinstance(batch.teacher, TopKTeacherScores)
+        with nullcontext((None, None)) if top_k else batch.teacher.lm_head() as (teacher_weight, teacher_bias):
+
+            def divergence(student_hidden, scores, index):  # (n,) on the tokens `index` of `scores`
+                if top_k:
+                    teacher = scores.logprobs[index]  # (n, k)
+                    student, rest = logprobs_at(
+                        student_hidden, weight, bias, scores.token_ids[index], torch.isfinite(teacher),
+                        args.distill_temperature, args.logit_chunk_size,
+                    )  # fmt: skip
+                    return topk_generalized_jsd(student, teacher, args.beta, args.loss_add_tail, rest)
+                return chunked_generalized_jsd(
+                    student_hidden, weight, scores.hidden[index], teacher_weight, beta=args.beta,
+                    temperature=args.distill_temperature, student_bias=bias, teacher_bias=teacher_bias,
+                    chunk_size=args.logit_chunk_size,
+                )  # fmt: skip
+
             term = hidden.new_zeros(())
             if args.distill_coef > 0:
-                divergence = jsd(hidden, teacher_hidden=batch.teacher.hidden[actions])  # (n,)
+                distilled = divergence(hidden, batch.teacher, actions)  # (n,)
                 if batch.distill_mask is not None:  # the tokens up to each action's first divergence
-                    divergence = divergence[batch.distill_mask[actions]]
+                    distilled = distilled[batch.distill_mask[actions]]
                 if counts["play"]:
-                    play = batch.teacher_play.teacher
-                    play_divergence = jsd(play_hidden, teacher_hidden=play.hidden[play_actions])
+                    play_divergence = divergence(play_hidden, batch.teacher_play.teacher, play_actions)
                     sums["loss/distill_teacher_play"] += play_divergence.sum().item() / counts["play"]
-                    divergence = torch.cat([divergence, play_divergence])
-                distill = divergence.mean() if divergence.numel() else hidden.new_zeros(())
-                distill = distill * (divergence.numel() / max(counts["distilled"], 1))
+                    distilled = torch.cat([distilled, play_divergence])
+                distill = distilled.mean() if distilled.numel() else hidden.new_zeros(())
+                distill = distill * (distilled.numel() / max(counts["distilled"], 1))
                 term = args.distill_coef * distill
                 sums["loss/distill"] += distill.item()
-            if args.distill_diagnostics and len(actions):
+            if args.distill_diagnostics and len(actions) and not top_k:
                 diagnostics = distillation_diagnostics(
                     hidden.detach(),
                     weight.detach(),

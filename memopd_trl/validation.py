@@ -238,9 +238,17 @@ def load_teacher(
 ) -> tuple[PreTrainedModel | None, str | None, PreTrainedTokenizerBase | None]:
     """
     The teacher (`teacher_model`, else `args.teacher_model_name_or_path`), loaded when given by name, the name it was
-    loaded from (for the model card; `""` for a model built from a config) and its tokenizer when it was loaded by name
-    (to check that it is the student's). An error when a loss term needs a teacher and none is given.
+    loaded from (for the model card; `""` for a model built from a config; its URL when it is served) and its tokenizer
+    when it was loaded by name (to check that it is the student's). An error when a loss term needs a teacher and
+    none is given. A served teacher (`args.teacher_model_server_url`) is not loaded: `(None, url, ...)`.
     """
+    if args.teacher_model_server_url is not None:  # served: nothing is loaded here
+        if teacher_model is not None:
+            raise ValueError(
+                f"A `teacher_model` was given and `teacher_model_server_url` ({args.teacher_model_server_url}) is "
+                "set: the teacher is either served or passed, not both."
+            )
+        return None, args.teacher_model_server_url, teacher_processing_class
     teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model
     check_teacher_needed(teacher_model, args)
     if teacher_model is None:

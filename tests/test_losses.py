@@ -759,3 +759,67 @@ def test_ppo_sampling_weights_scale_each_tokens_loss():
     weighted, _ = ppo_clip_loss(logprobs, old, advantages, sampling_weights=weights)
     per_token = [ppo_clip_loss(logprobs[i : i + 1], old[i : i + 1], advantages[i : i + 1])[0] for i in range(3)]
     assert weighted.item() == pytest.approx(sum(w * loss.item() for w, loss in zip(weights, per_token, strict=True)) / 3)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Distillation on a teacher's top-k
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _heads(vocab=97, hidden=16, tokens=29, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    student_hidden, teacher_hidden = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
+    student_weight = (torch.randn(vocab, hidden, generator=g) * 0.5).requires_grad_()
+    return student_hidden, student_weight, teacher_hidden, torch.randn(vocab, hidden, generator=g) * 0.5
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("add_tail", [True, False])
+def test_topk_losses_equal_the_full_vocabulary_loss_when_k_covers_it(beta, add_tail):
+    from memopd_trl.losses import logprobs_at, topk_generalized_jsd, topk_logprobs
+
+    student_hidden, student_weight, teacher_hidden, teacher_weight = _heads()
+    vocab = teacher_weight.shape[0]
+    teacher, ids = topk_logprobs(teacher_hidden, teacher_weight, None, k=vocab, chunk_size=8)
+    student, rest = logprobs_at(student_hidden, student_weight, None, ids, chunk_size=8)
+    topk = topk_generalized_jsd(student, teacher, beta, add_tail, student_tail=rest)
+    full = chunked_generalized_jsd(student_hidden, student_weight, teacher_hidden, teacher_weight, beta=beta, chunk_size=8)
+    torch.testing.assert_close(topk, full, atol=1e-5, rtol=0)
+    (grad_topk,) = torch.autograd.grad(topk.sum(), student_weight)
+    (grad_full,) = torch.autograd.grad(full.sum(), student_weight)
+    torch.testing.assert_close(grad_topk, grad_full, atol=1e-4, rtol=1e-4)
+    # With fewer tokens than the vocabulary the support is smaller and the value differs (the test can fail).
+    teacher_k, ids_k = topk_logprobs(teacher_hidden, teacher_weight, None, k=5)
+    student_k, rest_k = logprobs_at(student_hidden, student_weight, None, ids_k)
+    assert (topk_generalized_jsd(student_k, teacher_k, beta, add_tail, rest_k) - full).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_topk_generalized_jsd_follows_trl_server_distillation(beta):
+    """TRL's server distillation's divergence with its tail bucket (private functions, pinned where importable)."""
+    trl_module = pytest.importorskip("trl.experimental.server_distillation.server_distillation_trainer")
+    from memopd_trl.losses import logprobs_at, topk_generalized_jsd, topk_logprobs
+
+    student_hidden, student_weight, teacher_hidden, teacher_weight = _heads()
+    teacher, ids = topk_logprobs(teacher_hidden, teacher_weight, None, k=6)
+    teacher[3, 2:] = float("-inf")  # a position with fewer log-probs (padding, as TRL pads)
+    valid = torch.isfinite(teacher)
+    student, rest = logprobs_at(student_hidden, student_weight.detach(), None, ids, valid)
+    student_sparse, mask = trl_module._add_tail_bucket(student.masked_fill(~valid, float("-inf")), valid)
+    teacher_sparse, _ = trl_module._add_tail_bucket(teacher, valid)
+    expected = trl_module._jsd_divergence(student_sparse, teacher_sparse, beta, support_mask=mask).sum(-1)
+    torch.testing.assert_close(topk_generalized_jsd(student, teacher, beta), expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(topk_generalized_jsd(student, teacher, beta, student_tail=rest), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_topk_padding_gives_finite_gradients():
+    from memopd_trl.losses import logprobs_at, topk_generalized_jsd, topk_logprobs
+
+    student_hidden, student_weight, teacher_hidden, teacher_weight = _heads()
+    teacher, ids = topk_logprobs(teacher_hidden, teacher_weight, None, k=4)
+    teacher[:, 1:] = float("-inf")  # top-1 only
+    for add_tail in (True, False):
+        student, rest = logprobs_at(student_hidden, student_weight, None, ids, torch.isfinite(teacher))
+        loss = topk_generalized_jsd(student, teacher, 0.5, add_tail, rest).sum()
+        (grad,) = torch.autograd.grad(loss, student_weight)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
