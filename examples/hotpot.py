@@ -13,14 +13,16 @@ MemOPD (aligned teacher scoring) and MemOPD with persistent-history teacher scor
 evaluated greedily on held-out tasks; `memopd_trl.offline.report` writes the F1/EM table, `results.json`,
 `eval_f1.png` and the per-turn alignment audit `misalignment.png`. Tiny models: the numbers show the mechanics, not the paper's results.
 
-Real mode (not run in CI): `--model_name_or_path` and `--dataset` (a Hub id or a local HotpotQA .json/.jsonl file).
+Real mode: `--model_name_or_path` and `--dataset` (a Hub id or a local HotpotQA .json/.jsonl file).
 `examples/real.yaml` sets what pretrained models need (the parser's defaults are the offline run's), e.g.
 
     accelerate launch --config_file examples/accelerate_configs/ddp.yaml examples/hotpot.py \\
         --config examples/real.yaml --attn_implementation flash_attention_2 --use_vllm --arms memopd
 
 A 3B student and a 7B teacher in bf16 need 8 x 80 GB GPUs with `ddp.yaml` (the teacher is replicated on each), or
-`deepspeed_zero2.yaml` to shard optimizer states; `--use_peft` (LoRA) fits a single 80 GB GPU.
+`deepspeed_zero2.yaml` to shard optimizer states; `--use_peft` (LoRA) fits a single 80 GB GPU. Or serve the teacher on
+its own machine (`vllm serve Qwen/Qwen2.5-7B-Instruct --max-logprobs 64`) and pass `--teacher_model_server_url
+http://HOST:8000 --loss_top_k 64`: it is then never loaded beside the student (docs/quickstart.md).
 """
 
 import difflib
@@ -47,6 +49,7 @@ ARMS = {
     "ppo": {
         "distill_coef": 0.0,
         "teacher_model_name_or_path": None,
+        "teacher_model_server_url": None,
         "teacher_generations": 0,
         "distill_divergence_threshold": 0.0,
     },  # fmt: skip
@@ -166,9 +169,13 @@ def parse_args(argv: list[str] | None) -> tuple[ScriptArguments, MemOPDConfig, M
     if not real and args.dataset != "synthetic":
         fail(f"--dataset {args.dataset} needs models that can act on real questions: pass --model_name_or_path and "
              "--teacher_model_name_or_path (one tokenizer family), e.g. with --config examples/real.yaml.")  # fmt: skip
-    if real and config.teacher_model_name_or_path is None and any(arm != "ppo" for arm in args.arms):
+    teacher_given = config.teacher_model_name_or_path is not None or config.teacher_model_server_url is not None
+    if real and not teacher_given and any(arm != "ppo" for arm in args.arms):
         fail(f"arms {args.arms} distill from a teacher: pass --teacher_model_name_or_path (same tokenizer family as "
-             "--model_name_or_path), or run `--arms ppo`.")  # fmt: skip
+             "--model_name_or_path) or --teacher_model_server_url, or run `--arms ppo`.")  # fmt: skip
+    if not real and config.teacher_model_server_url is not None:
+        fail("--teacher_model_server_url serves the teacher of real mode (pass --model_name_or_path too); the offline "
+             "run builds and loads its own tiny teacher.")  # fmt: skip
     if config.distill_coef == 0 and any(arm.startswith("memopd") for arm in args.arms):
         fail("--distill_coef 0 turns the memopd arms into PPO only; give it > 0 or run `--arms ppo`.")
     for arm in args.arms:  # each arm's settings are checked now, not after minutes of set-up

@@ -59,7 +59,8 @@ class MemOPDConfig(_BaseConfig):
             Base URL of a vLLM OpenAI-compatible server hosting the teacher (e.g. `"http://127.0.0.1:8000"`, served
             with `vllm serve TEACHER --max-logprobs K`), as in TRL's server distillation. The teacher is then never
             loaded in a training process: every recorded invocation is sent as its own token ids and the server
-            returns its top-`loss_top_k` log-probs at each action token. Needs `loss_top_k` >= 1.
+            returns its top-`loss_top_k` log-probs at each action token. Needs `loss_top_k` >= 1. Takes the place of
+            `teacher_model_name_or_path`, which is then not loaded.
         teacher_server_timeout (`float`, *optional*, defaults to `300.0`):
             Seconds one request to the teacher server may take.
         teacher_server_max_retries (`int`, *optional*, defaults to `3`):
@@ -571,11 +572,6 @@ class MemOPDConfig(_BaseConfig):
         url = self.teacher_model_server_url
         if not url.strip():
             raise ValueError("`teacher_model_server_url` is empty: give the teacher server's base URL, or None.")
-        if self.teacher_model_name_or_path is not None:
-            raise ValueError(
-                f"Both `teacher_model_server_url` ({url}) and `teacher_model_name_or_path` "
-                f"({self.teacher_model_name_or_path}) are set: the teacher is either served or loaded, not both."
-            )
         if self.loss_top_k < 1:
             raise ValueError(
                 f"A teacher server ({url}) gives its top-k log-probs only: set `loss_top_k` >= 1 (the log-probs per "

@@ -13,12 +13,15 @@ import torch
 from datasets import Dataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging
 from trl.import_utils import is_vllm_available
 from trl.trainer.utils import create_model_from_path
 
 from .config import MemOPDConfig
 from .vllm_backend import vllm_runs_on_cpu
 
+
+logger = logging.get_logger(__name__)
 
 def load_model(name: str, init_kwargs: dict | None, attn_implementation: str, args: MemOPDConfig) -> PreTrainedModel:
     """Load a model from an id or path with TRL's `create_model_from_path` (`dtype` defaults to float32 there)."""
@@ -247,6 +250,13 @@ def load_teacher(
             raise ValueError(
                 f"A `teacher_model` was given and `teacher_model_server_url` ({args.teacher_model_server_url}) is "
                 "set: the teacher is either served or passed, not both."
+            )
+        if args.teacher_model_name_or_path is not None:
+            logger.warning(
+                "The teacher is served at %s (`teacher_model_server_url`): `teacher_model_name_or_path` (%s) is not "
+                "loaded.",
+                args.teacher_model_server_url,
+                args.teacher_model_name_or_path,
             )
         return None, args.teacher_model_server_url, teacher_processing_class
     teacher_model = args.teacher_model_name_or_path if teacher_model is None else teacher_model

@@ -127,3 +127,51 @@ def serve_teacher(model, tokenizer, **kwargs):
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=10)
+
+
+@contextmanager
+def recording_proxy(target: str):
+    """
+    A pass-through to the server at `target` on 127.0.0.1 that records every sequence sent to `/v1/completions`
+    (what the real server received). Yields `(received, url)`; always stopped.
+    """
+    import urllib.request
+
+    received: list[list[int]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _forward(self, body: bytes | None) -> None:
+            request = urllib.request.Request(target + self.path, data=body, method=self.command)
+            request.add_header("Content-Type", "application/json")
+            try:
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    status, data = response.status, response.read()
+            except urllib.error.HTTPError as error:
+                status, data = error.code, error.read()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            self._forward(None)
+
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/v1/completions":
+                received.extend(json.loads(body)["prompt"])
+            self._forward(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield received, f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)

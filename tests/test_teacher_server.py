@@ -174,7 +174,6 @@ def test_a_server_with_a_larger_vocabulary_is_refused(teacher_model, tiny_tokeni
         ({"loss_top_k": K, "teacher_generations": 1}, "needs the teacher's weights"),
         ({"loss_top_k": K, "distill_temperature": 2.0}, "scores at temperature 1"),
         ({"loss_top_k": K, "temperature": 0.7, "sampled_kl_coef": 0.1}, "scores at temperature 1"),
-        ({"loss_top_k": K, "teacher_model_name_or_path": "x"}, "either served or loaded"),
     ],
 )
 def test_what_a_server_teacher_cannot_do_is_refused_in_the_config(tmp_path, settings, message):
