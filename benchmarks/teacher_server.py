@@ -4,9 +4,9 @@ A local teacher scores packed rows in which invocations that share a prefix (the
 question share their first context) are encoded once (shared-prefix packing). A teacher on vLLM's server is sent
 every invocation as its own sequence; its automatic prefix caching can stand in for that sharing. This plays real
 HotpotQA episodes with SmolLM2-135M-Instruct (`--checkpoint`, float32), starts vLLM's OpenAI server on it twice (prefix
-caching on, then off), scores the same invocations through `ServerTeacher` on each, and reports the seconds, the
-prompt tokens the server computed, and its prefix-cache hit rate (`/metrics`). It compares with the share of tokens
-shared-prefix packing saves on the same invocations.
+caching on, then off), scores the same invocations through `ServerTeacher` on each and reports the seconds. It
+compares with the share of tokens shared-prefix packing saves on the same invocations, and with a local teacher's
+packed forward of them (plain and shared-prefix packing, the same checkpoint, fp32, top-k read from its LM head).
 
     python benchmarks/teacher_server.py --checkpoint CKPT --dataset ../shared/data/hotpotqa_dev_distractor_sample.json
 
@@ -17,7 +17,6 @@ server: what prefix caching saves").
 import argparse
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -35,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, PackedInvocationCollator, RolloutEngine, load_hotpotqa  # noqa: E402
+from memopd_trl.attention import register_varlen_attention  # noqa: E402
 from memopd_trl.envs.retrieval import corpus_from_records  # noqa: E402
+from memopd_trl.attention import VARLEN_SDPA  # noqa: E402
 from memopd_trl.teacher import ServerTeacher  # noqa: E402
 
 
@@ -85,14 +86,27 @@ def stop(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def counters(url: str) -> dict[str, float]:
-    """The server's prompt-token and prefix-cache counters (Prometheus text at `/metrics`)."""
-    text = requests.get(f"{url}/metrics", timeout=30).text
-    found = {}
-    for name in ("vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
-        values = [float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+]+)$", text, re.M)]
-        found[name.split(":")[1]] = sum(values)
-    return found
+def local_seconds(model, tokenizer, invocations, top_k: int, share_prefix: bool, repeats: int) -> float:
+    """The best of `repeats` local teacher scorings (packed forward, top-k from the LM head), in seconds."""
+    from accelerate import Accelerator
+
+    from memopd_trl.packing import split_rows
+    from memopd_trl.teacher import LocalTeacher
+
+    register_varlen_attention()
+    model.config._attn_implementation = VARLEN_SDPA
+    pad = tokenizer.pad_token_id
+    collator = PackedInvocationCollator(max_model_length=8192, pad_token_id=pad, share_prefix=share_prefix)
+    teacher = LocalTeacher(
+        model, Accelerator(cpu=True), {"aligned": collator}, lambda packed: split_rows(packed, pad_token_id=pad),
+        len(tokenizer), 1.0, 1024, top_k=top_k,
+    )  # fmt: skip
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        teacher.score(invocations)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
@@ -107,7 +121,8 @@ def main() -> None:
     invocations = [inv for ep in episodes for inv in ep.invocations]
     tokens = sum(inv.num_tokens for inv in invocations)
     packed = PackedInvocationCollator(pad_token_id=tokenizer.pad_token_id, share_prefix=True)(invocations)
-    shared = float(packed.get("shared_fraction", 0.0))
+    saved = int(packed.get("num_tokens_saved", 0))
+    shared = saved / (int(packed["num_real_tokens"]) + saved)
     print(f"{len(invocations)} invocations, {tokens} tokens; shared-prefix packing skips {shared:.1%} of them")
     results = {"invocations": len(invocations), "tokens": tokens, "shared_prefix_packing_saves": shared, "servers": {}}
     for prefix_caching in (True, False):
@@ -116,19 +131,17 @@ def main() -> None:
             teacher = ServerTeacher(url, tokenizer, args.top_k)
             runs = []
             for _ in range(args.repeats):
-                before = counters(url)
                 start = time.perf_counter()
                 teacher.score(invocations)
-                seconds = time.perf_counter() - start
-                after = counters(url)
-                delta = {key: after[key] - before[key] for key in after}
-                hit_rate = delta["prefix_cache_hits_total"] / max(delta["prefix_cache_queries_total"], 1)
-                runs.append({"seconds": seconds, "hit_rate": hit_rate, **delta})
-                print(f"prefix caching {'on ' if prefix_caching else 'off'}: {seconds:.2f} s, prefix-cache hits "
-                      f"{hit_rate:.1%} of {delta['prefix_cache_queries_total']:.0f} prompt tokens")  # fmt: skip
+                runs.append(time.perf_counter() - start)
+                print(f"server, prefix caching {'on ' if prefix_caching else 'off'}: {runs[-1]:.2f} s")
             results["servers"]["on" if prefix_caching else "off"] = runs
         finally:
             stop(process)
+    for share_prefix in (False, True):
+        seconds = local_seconds(model, tokenizer, invocations, args.top_k, share_prefix, args.repeats)
+        results[f"local_{'shared_prefix' if share_prefix else 'plain'}_packing"] = seconds
+        print(f"local teacher, {'shared-prefix' if share_prefix else 'plain'} packing: {seconds:.2f} s")
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2))
 

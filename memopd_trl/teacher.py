@@ -160,8 +160,9 @@ class ServerTeacher:
     Each invocation is sent as its own token ids, context then action (`history="aligned"`), or each episode's
     flattened history (`"persistent"`), to `/v1/completions` with `prompt_logprobs=top_k` and `max_tokens=1`: the
     request TRL's `VLLMClient.get_sequence_logprobs` sends. The answer holds, at every prompt position, the teacher's
-    top-k log-probs and the prompt token's own (the sampled token's, at an action position). The server's automatic
-    prefix caching takes the place of shared-prefix packing (the invocations of a group share their prompt).
+    top-k log-probs and the prompt token's own (the sampled token's, at an action position). vLLM reads no prefix
+    cache for requests with prompt log-probs, so the prompts a group's episodes share are computed for each of them
+    (docs/benchmarks.md, "A teacher on its own server").
 
     This client is the project's own rather than TRL's `VLLMClient`: that one refuses to start in a process without
     vLLM installed, which a training process with its teacher on another machine does not need; the requests and
