@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> dict:
         train, evaluation, env_factory = world.train, world.evaluation, world.env_factory
         generation = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
         setup = offline.prepare_offline_models(args, world, output_dir, **generation)
+        refused = offline.check_student_start(setup, args)
+        if refused:
+            fail(refused)
         tokenizer = offline.load_offline_tokenizer(output_dir / "teacher")
         start = offline.cached_start_scores(setup, world, **generation)  # every arm's step 0
     peft_config = get_peft_config(model_args)

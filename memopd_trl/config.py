@@ -187,8 +187,10 @@ class MemOPDConfig(_BaseConfig):
         advantage_estimator (`str`, *optional*, defaults to `"group"`):
             `"group"`: final reward normalized within each question's `num_generations` episodes, broadcast to every
             action token (no critic). `"gae"`: generalized advantage estimation with a value head.
-        scale_rewards (`bool`, *optional*, defaults to `True`):
-            Whether group-normalized advantages are divided by the group's standard deviation.
+        scale_rewards (`str`, *optional*, defaults to `"group"`):
+            What group-normalized advantages are divided by (TRL's `scale_rewards`): `"group"`, the group's standard
+            deviation; `"batch"`, the standard deviation of the process's rollout batch; `"none"`, nothing (Dr. GRPO).
+            `True` and `False` mean `"group"` and `"none"`.
         gamma (`float`, *optional*, defaults to `1.0`):
             Discount factor of GAE.
         lam (`float`, *optional*, defaults to `1.0`):
@@ -477,8 +479,12 @@ class MemOPDConfig(_BaseConfig):
             "choices": ["group", "gae"],
         },
     )
-    scale_rewards: bool = field(
-        default=True, metadata={"help": "Whether group-normalized advantages are divided by the group std."}
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "What group-normalized advantages are divided by: `group` (the group's std), `batch` (the rollout "
+            "batch's std) or `none`; true/false mean group/none.",
+        },
     )
     gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
     lam: float = field(default=1.0, metadata={"help": "GAE lambda."})
@@ -633,6 +639,11 @@ class MemOPDConfig(_BaseConfig):
             bad("beta", "in [0, 1]")
         if self.loss_top_k < 0:
             bad("loss_top_k", ">= 0 (0 = the full vocabulary)")
+        # TRL's bool values of `scale_rewards`, and their strings from a command line
+        aliases = {True: "group", False: "none", "true": "group", "false": "none", "True": "group", "False": "none"}
+        self.scale_rewards = aliases.get(self.scale_rewards, self.scale_rewards)
+        if self.scale_rewards not in ("group", "batch", "none"):
+            bad("scale_rewards", '"group", "batch" or "none"')
         if self.teacher_server_max_retries < 0 or self.teacher_server_timeout <= 0:
             raise ValueError(
                 "`teacher_server_max_retries` must be >= 0 and `teacher_server_timeout` > 0, got "

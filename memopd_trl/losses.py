@@ -1125,11 +1125,11 @@ def value_loss(
 
 
 def group_normalized_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4, scale: bool = True
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4, scale: bool | str = True
 ) -> torch.Tensor:
     """
     Group-relative advantages (as in GRPO): each episode's reward minus the mean reward of its group (the episodes
-    answering the same question), divided by the group's standard deviation plus `eps` when `scale`.
+    answering the same question), divided by a standard deviation plus `eps` as `scale` says (TRL's `scale_rewards`).
 
     The standard deviation is the population one (`unbiased=False`): it is defined for every group size and gives the
     normalized advantages of a group unit mean square (up to `eps`). A degenerate group (size 1, or all rewards equal)
@@ -1142,8 +1142,10 @@ def group_normalized_advantages(
             Group of each episode. Ids need not be contiguous or sorted.
         eps (`float`, *optional*, defaults to `1e-4`):
             Added to the standard deviation, `>= 0`.
-        scale (`bool`, *optional*, defaults to `True`):
-            Whether to divide by the group standard deviation (`False`: mean-centering only, as in Dr. GRPO).
+        scale (`bool` or `str`, *optional*, defaults to `True`):
+            `"group"` (or `True`): divide by the group's standard deviation. `"batch"`: by the standard deviation of
+            all of `rewards` (no group's near-zero spread is blown up to full-size advantages). `"none"` (or
+            `False`): mean-centering only, as in Dr. GRPO.
 
     Returns:
         `torch.Tensor` of shape `(num_episodes,)`, floating point, detached: the advantages.
@@ -1163,6 +1165,9 @@ def group_normalized_advantages(
         raise ValueError(f"{where}: `group_ids` must be an integer tensor, got dtype {group_ids.dtype}.")
     if eps < 0:
         raise ValueError(f"{where}: `eps` must be >= 0, got {eps}.")
+    scale = {True: "group", False: "none"}.get(scale, scale) if isinstance(scale, bool) else scale
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f'{where}: `scale` must be "group", "batch", "none" or a bool, got {scale!r}.')
     rewards = rewards.detach()
     if not rewards.is_floating_point():
         rewards = rewards.float()
@@ -1177,9 +1182,11 @@ def group_normalized_advantages(
     counts = counts.to(rewards.dtype)  # (G,)
     means = rewards.new_zeros(num_groups).index_add(0, inverse, rewards) / counts  # (G,)
     advantages = rewards - means[inverse]  # (E,)
-    if scale:
+    if scale == "group":
         variances = rewards.new_zeros(num_groups).index_add(0, inverse, advantages.square()) / counts  # (G,)
         advantages = advantages / (variances.sqrt()[inverse] + eps)
+    elif scale == "batch":
+        advantages = advantages / (rewards.std(unbiased=False) + eps)
     group_max = rewards.new_full((num_groups,), -math.inf).scatter_reduce(0, inverse, rewards, reduce="amax")
     group_min = rewards.new_full((num_groups,), math.inf).scatter_reduce(0, inverse, rewards, reduce="amin")
     degenerate = (group_max == group_min)[inverse]  # (E,)

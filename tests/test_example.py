@@ -61,6 +61,15 @@ def test_smoke_run_trains_every_arm_writes_results_and_never_touches_the_network
     assert summary["runs"] == results["runs"]
 
 
+def test_a_student_start_outside_its_intended_range_is_refused_before_any_arm(hotpot, tmp_path, capsys):
+    out = tmp_path / "smoke"
+    with pytest.raises(SystemExit) as stop:
+        hotpot.main([*SMOKE, "--output_dir", str(out), "--student_start_f1_range", "1.5", "2.0"])
+    assert "The student start's held-out task F1 is" in str(stop.value) and "outside its intended range" in str(stop.value)
+    assert "--student_start_f1_range 0 1" in str(stop.value)
+    assert (out / "student_init" / "config.json").exists() and not (out / "results.json").exists()
+
+
 def test_help_shows_the_defaults_a_run_uses():
     result = _run_script("--help")
     assert result.returncode == 0, result.stderr[-2000:]

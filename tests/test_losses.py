@@ -823,3 +823,21 @@ def test_topk_padding_gives_finite_gradients():
         loss = topk_generalized_jsd(student, teacher, 0.5, add_tail, rest).sum()
         (grad,) = torch.autograd.grad(loss, student_weight)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+def test_group_normalized_advantages_scale_like_trl_scale_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.51, 0.50, 0.3, 0.3])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    group = group_normalized_advantages(rewards, groups, eps=0.0, scale="group")
+    batch = group_normalized_advantages(rewards, groups, eps=0.0, scale="batch")
+    none = group_normalized_advantages(rewards, groups, eps=0.0, scale="none")
+    centered = torch.tensor([0.5, -0.5, 0.005, -0.005, 0.0, 0.0])
+    torch.testing.assert_close(none, centered)
+    torch.testing.assert_close(batch, centered / rewards.std(unbiased=False))
+    # Per-group scaling turns the 0.01 reward gap of group 1 into the same full-size advantages as group 0's 1.0 gap.
+    torch.testing.assert_close(group[:4], torch.tensor([1.0, -1.0, 1.0, -1.0]))
+    assert batch[2].abs() < 0.05 * batch[0].abs()
+    torch.testing.assert_close(group_normalized_advantages(rewards, groups, eps=0.0, scale=True), group)
+    torch.testing.assert_close(group_normalized_advantages(rewards, groups, eps=0.0, scale=False), none)
+    with pytest.raises(ValueError, match="`scale` must be"):
+        group_normalized_advantages(rewards, groups, scale="std")

@@ -148,6 +148,10 @@ class OfflineConfig:
             Peak learning rate of teacher imitation.
         student_warmup_questions (`int`, *optional*, defaults to `1500`):
             Questions whose expert turns warm-start the student.
+        student_start_f1_range (`list[float]`, *optional*, defaults to `[0.3, 0.7]`):
+            The held-out task F1 the student start is meant to have (about 0.5 with two-part tasks: the second answer
+            found, the first forgotten). A start outside it is refused before any arm trains
+            ([`check_student_start`]); widen it to train such a start anyway. Not part of the recipe.
         student_epochs (`float`, *optional*, defaults to `1.0`):
             Epochs of the student warm-start.
         student_learning_rate (`float`, *optional*, defaults to `3e-3`):
@@ -263,6 +267,13 @@ class OfflineConfig:
     teacher_learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate of teacher imitation."})
     student_warmup_questions: int = field(
         default=1500, metadata={"help": "Questions whose expert turns warm-start the student."}
+    )
+    student_start_f1_range: list[float] = field(
+        default_factory=lambda: [0.3, 0.7],
+        metadata={
+            "help": "Held-out task F1 the student start must have (low high); a start outside is refused before any "
+            "arm trains. Widen it to train such a start anyway."
+        },
     )
     student_epochs: float = field(default=1.0, metadata={"help": "Epochs of the student warm-start."})
     student_learning_rate: float = field(
@@ -673,6 +684,25 @@ def prepare_offline_models(
                 generation = {"max_new_tokens": max_new_tokens, "max_prompt_length": max_prompt_length}
                 _build_models(config, world, paths, stale, recipes, generation)
     return {role: json.loads((paths[role] / SETUP_FILE).read_text()) for role in ROLES}
+
+
+def check_student_start(setup: dict[str, dict[str, Any]], config: OfflineConfig) -> str | None:
+    """
+    Why the set-up's student start must not be trained (its held-out task F1 outside
+    `config.student_start_f1_range`), or `None` when it is in range. A start that also lost the answer it should
+    keep (F1 near 0), or that already carries its memory (near 1), leaves the arms nothing to show.
+    """
+    low, high = config.student_start_f1_range
+    start, teacher = setup["student_init"], setup["teacher"]
+    if low <= start["f1"] <= high:
+        return None
+    single = f", single-question F1 {start['single_f1']:.3f}" if "single_f1" in start else ""
+    return (
+        f"The student start's held-out task F1 is {start['f1']:.3f}{single}, outside its intended range "
+        f"[{low}, {high}] (the teacher's: {teacher['f1']:.3f}). The arms would not train the start this recipe means "
+        "(the second answer found, the first forgotten). Change the world seed or the start's recipe (its cache is "
+        "then rebuilt), or pass --student_start_f1_range 0 1 to train it anyway."
+    )
 
 
 def load_offline_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
