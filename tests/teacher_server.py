@@ -95,6 +95,20 @@ class TeacherServer:
 
 
 @contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]):
+    """Serves `handler` on 127.0.0.1 (a free port) in a thread for the duration; yields the URL. Always stopped."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
+@contextmanager
 def serve_teacher(model, tokenizer, **kwargs):
     """Runs a `TeacherServer` on 127.0.0.1 (a free port) for the duration; yields `(server, url)`. Always stopped."""
     server = TeacherServer(model, tokenizer, **kwargs)
@@ -118,15 +132,8 @@ def serve_teacher(model, tokenizer, **kwargs):
         def log_message(self, *args):  # quiet
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server, f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=10)
+    with _serving(Handler) as url:
+        yield server, url
 
 
 @contextmanager
@@ -166,12 +173,5 @@ def recording_proxy(target: str):
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield received, f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=10)
+    with _serving(Handler) as url:
+        yield received, url
