@@ -362,3 +362,15 @@ def test_a_teacher_chosen_on_set_aside_training_tasks_does_not_imitate_them(tmp_
     assert offline_recipes(OfflineConfig(**TINY), world)["teacher"]["select_tasks"] == 0
     with pytest.raises(ValueError, match="teacher_select_tasks"):
         OfflineConfig(**{**TINY, "teacher_select_tasks": -1})
+
+
+def test_a_teacher_for_both_layouts_imitates_the_expert_under_the_full_history_too(built, tmp_path):
+    config, world, out, setup = built
+    both = dataclasses.replace(config, teacher_full_history=True)
+    recipes = offline_recipes(both, world)
+    assert recipes["teacher"]["full_history"] is True and "full_history" not in offline_recipes(config, world)["teacher"]
+    shutil.copytree(out, tmp_path / "cache")
+    rebuilt = prepare_offline_models(both, world, tmp_path / "cache", **GENERATION)
+    # Every imitated task twice: once in the compact layout, once as one growing history.
+    assert rebuilt["teacher"]["expert_turns"] == 2 * setup["teacher"]["expert_turns"]
+    assert 0.0 <= rebuilt["teacher"]["full_history_f1"] <= 1.0 and "full_history_f1" not in setup["teacher"]

@@ -144,6 +144,10 @@ class OfflineConfig:
             weights of its best score (why: docs/design.md, "The offline lab"). 0 keeps the last weights.
         teacher_select_epochs (`float`, *optional*, defaults to `0.5`):
             Epochs of teacher imitation between two of those measurements.
+        teacher_full_history (`bool`, *optional*, defaults to `False`):
+            Whether the teacher also imitates the same full-memory expert rendered as one growing history (memory
+            policy `full_history`), on the same tasks, so that it plays well in both layouts: the fair teacher for
+            the persistent-history control. Its held-out F1 in that layout is reported as `full_history_f1`.
         teacher_learning_rate (`float`, *optional*, defaults to `3e-3`):
             Peak learning rate of teacher imitation.
         student_warmup_questions (`int`, *optional*, defaults to `1500`):
@@ -263,6 +267,13 @@ class OfflineConfig:
     )  # fmt: skip
     teacher_select_epochs: float = field(
         default=0.5, metadata={"help": "Epochs of teacher imitation between two checkpoint measurements."}
+    )
+    teacher_full_history: bool = field(
+        default=False,
+        metadata={
+            "help": "The teacher also imitates the expert rendered as one growing history, so that it plays well in "
+            "both layouts (the fair persistent-history control)."
+        },
     )
     teacher_learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate of teacher imitation."})
     student_warmup_questions: int = field(
@@ -583,6 +594,8 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
         recipes[role] = recipe
     recipes["teacher"]["select_tasks"] = config.teacher_select_tasks
     recipes["teacher"]["select_epochs"] = config.teacher_select_epochs
+    if config.teacher_full_history:  # only when on: caches made without the option stay valid
+        recipes["teacher"]["full_history"] = True
     recipes["student_init"]["warmup_questions"] = config.student_warmup_questions
     recipes["student_init"]["expert_memory"] = config.student_expert_memory
     if config.student_from_teacher:
@@ -739,6 +752,11 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
     select = world.train[len(world.train) - config.teacher_select_tasks :] if config.teacher_select_tasks else []
     imitated = trajectories[: len(trajectories) - len(select)] if "teacher" in roles else trajectories
     policy_steps = {"teacher": [step for trajectory in imitated for step in trajectory.steps]}
+    full_history_factory = _full_history_factory(world.env_factory)
+    if "teacher" in roles and config.teacher_full_history:
+        # The same expert on the same tasks, each turn rendered under the whole history so far.
+        replayed = expert_trajectories(world.train[: len(imitated)], full_history_factory, **_expert_settings(expert))
+        policy_steps["teacher"] += [step for trajectory in replayed for step in trajectory.steps]
     student_trajectories = trajectories[: config.student_warmup_questions]
     if config.student_expert_memory != "full":
         # Played without mistakes: after a slip a forgetful expert has lost its place and gives up (it answers what
@@ -824,6 +842,9 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         seconds = time.perf_counter() - start
         models[role] = model
         scores = greedy_scores(model, tokenizer, world.env_factory, world.evaluation, **generation)
+        if role == "teacher" and config.teacher_full_history:  # the same tasks, played under the growing history
+            full = greedy_scores(model, tokenizer, full_history_factory, world.evaluation, **generation)
+            info.update(full_history_f1=full["f1"], full_history_em=full["em"])
         if world.multi_objective:
             single = greedy_scores(model, tokenizer, world.env_factory, world.eval_questions, **generation)
             info.update(single_f1=single["f1"], single_em=single["em"])
@@ -849,6 +870,8 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         }
         (paths[role] / SETUP_FILE).write_text(json.dumps(info, indent=2))
         single = f", single questions F1 {info['single_f1']:.3f}" if "single_f1" in info else ""
+        if "full_history_f1" in info:
+            single += f", with the full history F1 {info['full_history_f1']:.3f}"
         _log(
             f"[setup] {role}: hidden {recipe['hidden_size']}, {recipe['layers']} layers "
             f"({info['parameters'] / 1e6:.2f}M parameters), {len(steps)} expert turns, action NLL "
@@ -857,9 +880,19 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         )
 
 
+def _full_history_factory(env_factory):
+    """`env_factory` with the memory policy `full_history`: every turn so far in each context (same retriever)."""
+    return type(env_factory)(env_factory.env_class, **{**env_factory.kwargs, "memory_policy": "full_history"})
+
+
+def _expert_settings(expert: dict[str, Any]) -> dict[str, Any]:
+    """The expert's play settings without its environment factory."""
+    return {key: value for key, value in expert.items() if key != "env_factory"}
+
+
 def _shared_pretraining_recipe(recipes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the shared copy warm-up and pretraining depend on: the teacher's recipe without its own imitation data."""
-    own_data = ("select_tasks", "select_epochs")
+    own_data = ("select_tasks", "select_epochs", "full_history")
     return {key: value for key, value in recipes["teacher"].items() if key not in own_data}
 
 
