@@ -198,8 +198,6 @@ class ServerTeacher:
     model_name: str = field(init=False)
     max_model_length: int | None = field(init=False, default=None)
     vocab_size: int = field(init=False)
-    # What was sent, by layout: sequences and tokens (read by the trainer's metrics and by tests).
-    sent: dict[str, int] = field(init=False, default_factory=lambda: {"requests": 0, "sequences": 0, "tokens": 0})
 
     def __post_init__(self):
         if not self.url or not self.url.strip():
@@ -352,16 +350,11 @@ class ServerTeacher:
                     f"The teacher server at {self.url} answered {len(choices) if isinstance(choices, list) else 'no'} "
                     f"choices for {len(chunk)} sequences sent."
                 )
-            for j, choice in enumerate(choices):
-                index = choice.get("index", j) if isinstance(choice, dict) else j
-                i = chunk[index] if isinstance(index, int) and 0 <= index < len(chunk) else chunk[j]
+            for i, choice in zip(chunk, choices, strict=True):  # one choice per prompt, in order
                 self._read(choice, *sequences[i], f"sequence {i}", out)
 
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrent_requests, len(chunks)))) as pool:
             list(pool.map(send, chunks))  # re-raises the first failure
-        self.sent["requests"] += len(chunks)
-        self.sent["sequences"] += len(sequences)
-        self.sent["tokens"] += sum(len(ids) for ids, _ in sequences)
         missing = torch.isnan(out[2])
         if missing.any():
             raise TeacherServerError(
