@@ -11,6 +11,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from memopd_trl.offline import build_tiny_model
 
@@ -228,3 +229,28 @@ def test_the_offline_worlds_sizes_are_checked_offline_only(hotpot, tmp_path, hot
         ["--num_eval_questions", "1", *real, "--dataset", str(hotpot_sample_path), "--output_dir", str(tmp_path)]
     )
     assert args.num_eval_questions == 1
+
+
+@pytest.mark.real_weights
+def test_the_smollm2_recipe_fine_tunes_both_models_from_the_checkpoint_with_its_chat_template(
+    hotpot, tmp_path, smollm2_checkpoint
+):
+    # examples/smollm2.yaml in miniature: a few tasks, a fraction of an epoch, one update of one arm (no learning).
+    out = tmp_path / "smollm2"
+    tiny = ["--num_train_questions", "8", "--num_eval_questions", "4", "--student_warmup_questions", "4",
+            "--teacher_epochs", "0.25", "--student_epochs", "0.25", "--max_steps", "1", "--eval_steps", "1",
+            "--per_device_train_batch_size", "1", "--num_generations", "2", "--max_new_tokens", "16",
+            "--student_start_f1_range", "0", "1", "--arms", "memopd", "--cpu_threads", "1"]  # fmt: skip
+    recipe = ["--config", str(ROOT / "examples" / "smollm2.yaml"), "--base_model", str(smollm2_checkpoint)]
+    results = hotpot.main([*recipe, "--output_dir", str(out), "--report_to", "none", *tiny])
+    base = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint).state_dict()
+    template = AutoTokenizer.from_pretrained(smollm2_checkpoint).chat_template
+    for role in ("teacher", "student_init"):
+        setup = results["setup"][role]
+        assert setup["base_model"] == str(smollm2_checkpoint) and setup["parameters"] > 100e6
+        assert AutoTokenizer.from_pretrained(out / role).chat_template == template
+        tuned = AutoModelForCausalLM.from_pretrained(out / role).state_dict()
+        assert tuned.keys() == base.keys() and not all(torch.equal(tuned[k], base[k]) for k in base)
+    assert "full_history_f1" in results["setup"]["teacher"]  # the fair teacher plays both layouts
+    assert "single_f1" in results["setup"]["student_init"]  # the start's capability beside its task F1
+    assert [run["arm"] for run in results["runs"]] == ["memopd"] and results["runs"][0]["curve"][-1][0] == 1

@@ -374,3 +374,33 @@ def test_a_teacher_for_both_layouts_imitates_the_expert_under_the_full_history_t
     # Every imitated task twice: once in the compact layout, once as one growing history.
     assert rebuilt["teacher"]["expert_turns"] == 2 * setup["teacher"]["expert_turns"]
     assert 0.0 <= rebuilt["teacher"]["full_history_f1"] <= 1.0 and "full_history_f1" not in setup["teacher"]
+
+
+def test_a_base_model_starts_both_models_with_its_own_tokenizer_and_no_warm_up(built, tmp_path, monkeypatch):
+    import memopd_trl.offline.setup as offline
+
+    config, world, out, _ = built
+    base = out / "teacher"  # stands in for a pretrained checkpoint: weights, tokenizer and chat template
+    starts = {}
+    train = offline.train_tiny_agent
+
+    def recording(role, *args, base_model=None, **kwargs):
+        starts[role] = (copy.deepcopy(base_model.state_dict()), args[3])  # the start's weights and the copy data
+        return train(role, *args, base_model=base_model, **kwargs)
+
+    monkeypatch.setattr(offline, "train_tiny_agent", recording)
+    pretrained = dataclasses.replace(config, base_model=str(base), vocab_size=999)  # a size the base does not have
+    setup = prepare_offline_models(pretrained, world, tmp_path, **GENERATION)
+    weights = load_offline_model(base).state_dict()
+    for role in ("teacher", "student_init"):
+        start, copy_data = starts[role]
+        assert all(torch.equal(start[k], v) for k, v in weights.items()), f"the {role} starts from the base's weights"
+        assert copy_data == [], "a pretrained model gets no copy warm-up"
+        assert setup[role]["base_model"] == str(base) and setup[role]["recipe"]["base_model"] == str(base)
+        saved = load_offline_tokenizer(tmp_path / role)
+        assert saved.get_vocab() == load_offline_tokenizer(base).get_vocab() and len(saved) != 999
+        assert saved.chat_template == load_offline_tokenizer(base).chat_template
+    # Caches made without a base model stay valid: the key is only in the recipe when it is set.
+    assert "base_model" not in offline_recipes(config, world)["teacher"]
+    with pytest.raises(ValueError, match="share_pretraining"):
+        OfflineConfig(**{**TINY, "base_model": str(base), "share_pretraining": True})

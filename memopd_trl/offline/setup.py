@@ -10,6 +10,9 @@ passages. [`prepare_offline_models`] then builds, or reuses from a cache, the tw
    keeps the expert's own next action, so the teacher has also seen how to recover from states a weak student reaches;
 3. a smaller student warm-started briefly the same way, so that it knows the action format.
 
+With `OfflineConfig.base_model` both models are instead fine-tuned from one pretrained checkpoint, with its own
+tokenizer and chat template (`examples/smollm2.yaml`).
+
 Each model is saved with its recipe ([`OfflineConfig`], the environment's settings and [`RECIPE_VERSION`]) in
 `memopd_setup.json`; a later call with the same recipe reuses it, and a changed recipe (other settings, or a cache made
 by another version of this set-up) rebuilds what depends on it, with a one-line notice saying why (the student shares
@@ -105,6 +108,11 @@ class OfflineConfig:
             Hidden size of the student.
         student_layers (`int`, *optional*, defaults to `2`):
             Layers of the student.
+        base_model (`str`, *optional*):
+            A pretrained causal LM (a checkpoint directory or a Hub id) that the teacher and the student start are
+            both fine-tuned from, in float32, with its own tokenizer and chat template, instead of tiny models trained
+            from scratch with a tokenizer trained on the world. The sizes, the copy warm-up and the shared
+            pretraining then do not apply (that is what the checkpoint brings); `context_weight` still does.
 
     Parameters that control the imitation:
         pretrain_questions (`int`, *optional*, defaults to `0`):
@@ -217,6 +225,12 @@ class OfflineConfig:
     teacher_layers: int = field(default=2, metadata={"help": "Layers of the teacher."})
     student_hidden_size: int = field(default=64, metadata={"help": "Hidden size of the student."})
     student_layers: int = field(default=2, metadata={"help": "Layers of the student."})
+    base_model: str | None = field(
+        default=None,
+        metadata={"help": "A pretrained causal LM (checkpoint directory or Hub id) that the teacher and the student "
+                  "start are fine-tuned from, with its own tokenizer and chat template, instead of tiny models from "
+                  "scratch (the sizes, copy warm-up and shared pretraining then do not apply)."},
+    )  # fmt: skip
 
     # Imitation
     pretrain_questions: int = field(
@@ -343,13 +357,18 @@ class OfflineConfig:
             ("share_pretraining", "starts both models from one pretrained model"),
             ("student_from_teacher", "starts the student from a copy of the teacher"),
         ):
-            if getattr(self, name) and (self.student_hidden_size, self.student_layers) != (
+            if getattr(self, name) and self.base_model is None and (self.student_hidden_size, self.student_layers) != (
                 self.teacher_hidden_size, self.teacher_layers
             ):
                 raise ValueError(
                     f"`{name}` {what}: give the student the teacher's sizes (student {self.student_hidden_size} x "
                     f"{self.student_layers} layers, teacher {self.teacher_hidden_size} x {self.teacher_layers})."
                 )
+        if self.base_model is not None and self.share_pretraining:
+            raise ValueError(
+                "`share_pretraining` trains the tiny models' shared warm-up and pretraining; with `base_model` both "
+                "models already start from the same pretrained checkpoint: turn it off."
+            )
         if self.student_expert_memory not in MEMORY_MODES:
             raise ValueError(
                 f"`student_expert_memory` must be one of {MEMORY_MODES}, got {self.student_expert_memory!r}."
@@ -596,6 +615,9 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
     recipes["teacher"]["select_epochs"] = config.teacher_select_epochs
     if config.teacher_full_history:  # only when on: caches made without the option stay valid
         recipes["teacher"]["full_history"] = True
+    if config.base_model is None:  # likewise
+        for recipe in recipes.values():
+            del recipe["base_model"]
     recipes["student_init"]["warmup_questions"] = config.student_warmup_questions
     recipes["student_init"]["expert_memory"] = config.student_expert_memory
     if config.student_from_teacher:
@@ -720,7 +742,7 @@ def check_student_start(setup: dict[str, dict[str, Any]], config: OfflineConfig)
 
 def load_offline_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
     """
-    The offline tokenizer saved beside a tiny model.
+    The tokenizer saved beside a set-up model (the world's own, or the `base_model` checkpoint's).
 
     Not through `AutoTokenizer`: next to a Qwen2 `config.json` it would build a `Qwen2Tokenizer`, whose pre-tokenizer
     splits numbers into digits, silently changing the token ids the models were trained on.
@@ -729,7 +751,8 @@ def load_offline_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
 
 
 def load_offline_model(path: str | os.PathLike) -> PreTrainedModel:
-    """A cached tiny model, in float32 with the packed-row attention it was trained with (registered here)."""
+    """A cached set-up model (or the `base_model` checkpoint), in float32 with the packed-row attention it is trained
+    with (registered here)."""
     register_varlen_attention()
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=VARLEN_ATTENTION, dtype=torch.float32)
 
@@ -769,14 +792,16 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
     if config.pretrain_questions > 0:
         pretrain = expert_trajectories(world.train_questions[: config.pretrain_questions], **expert)
         pretrain_steps = [step for trajectory in pretrain for step in trajectory.steps]
-    if "teacher" in roles:
+    if config.base_model is not None:  # the checkpoint's own tokenizer and chat template
+        tokenizer = load_offline_tokenizer(config.base_model)
+    elif "teacher" in roles:
         # Multi-objective tasks: the single questions' turns too, so the tokenizer knows both kinds of task.
         texts = pretrain_steps[:500] + policy_steps["teacher"] if world.multi_objective else policy_steps["teacher"]
         tokenizer = build_offline_tokenizer(world.world, texts, config.vocab_size)
     else:
         tokenizer = load_offline_tokenizer(paths["teacher"])
     copy_data = []
-    if config.copy_warmup_sequences > 0:
+    if config.copy_warmup_sequences > 0 and config.base_model is None:
         special = set(tokenizer.all_special_ids)
         ordinary_ids = [i for i in range(len(tokenizer)) if i not in special]
         copy_data = copy_task_invocations(
@@ -798,7 +823,10 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
     if config.replay_questions > 0:
         replay_steps = [step for trajectory in pretrain[: config.replay_questions] for step in trajectory.steps]
     base_model = None
-    if config.share_pretraining and ("teacher" in roles or not config.student_from_teacher):
+    if config.base_model is not None:
+        base_model = load_offline_model(config.base_model)
+        _log(f"[setup] both models are fine-tuned from {config.base_model}")
+    elif config.share_pretraining and ("teacher" in roles or not config.student_from_teacher):
         # Cached beside the two models: rebuilding only the student start (a changed student recipe) reuses it.
         shared_path = paths["teacher"].parent / SHARED_PRETRAINING_DIR
         recipe = _shared_pretraining_recipe(recipes)
@@ -852,7 +880,9 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             info["pretrain_turns"] = len(pretrain_steps)
         if replay_steps:
             info["replay_turns"] = len(replay_steps)
-        if base_model is not None:
+        if config.base_model is not None:
+            info["base_model"] = config.base_model
+        elif base_model is not None:
             info["shared_pretraining"] = True
         paths[role].mkdir(parents=True, exist_ok=True)
         model.save_pretrained(paths[role])
@@ -872,10 +902,10 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         single = f", single questions F1 {info['single_f1']:.3f}" if "single_f1" in info else ""
         if "full_history_f1" in info:
             single += f", with the full history F1 {info['full_history_f1']:.3f}"
+        sizes = "" if config.base_model else f"hidden {recipe['hidden_size']}, {recipe['layers']} layers "
         _log(
-            f"[setup] {role}: hidden {recipe['hidden_size']}, {recipe['layers']} layers "
-            f"({info['parameters'] / 1e6:.2f}M parameters), {len(steps)} expert turns, action NLL "
-            f"{info['final_action_nll']:.3f}, held-out F1 {scores['f1']:.3f} EM {scores['em']:.3f}{single} "
+            f"[setup] {role}: {sizes}({info['parameters'] / 1e6:.2f}M parameters), {len(steps)} expert turns, "
+            f"action NLL {info['final_action_nll']:.3f}, held-out F1 {scores['f1']:.3f} EM {scores['em']:.3f}{single} "
             f"({seconds:.0f} s)"
         )
 
