@@ -9,6 +9,8 @@ sub-answer, and prints one turn-2 example. With a forgetful student, the first a
 by turn 2 but still in the history: a persistent teacher wants it written from a passage the student no longer sees.
 
     python benchmarks/persistent_targets.py --setup_dir outputs/hotpot [--tasks 50]
+    python benchmarks/persistent_targets.py --setup_dir outputs/hotpot-smollm2 --num_train_questions 400 \
+        --max_new_tokens 64 --max_prompt_length 768   # the SmolLM2 recipe's set-up
 
 Run it with the world flags of the run that built the set-up (defaults: the main job's offline world).
 """
@@ -33,6 +35,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--setup_dir", required=True, help="A main-job output directory with its cached set-up.")
     parser.add_argument("--tasks", type=int, default=50, help="Held-out tasks played.")
     parser.add_argument("--world_seed", type=int, default=0)
+    parser.add_argument("--num_train_questions", type=int, default=6000, help="The run's (examples/smollm2.yaml: 400).")
+    parser.add_argument("--num_eval_questions", type=int, default=200)
     parser.add_argument("--max_new_tokens", type=int, default=96)
     parser.add_argument("--max_prompt_length", type=int, default=512)
     return parser.parse_args()
@@ -52,6 +56,7 @@ def main() -> None:
     args = parse_args()
     config = OfflineConfig(
         lookup_fraction=1.0, short_names=True, num_sub_questions=2, world_seed=args.world_seed,
+        num_train_questions=args.num_train_questions, num_eval_questions=args.num_eval_questions,
     )  # fmt: skip  (the main job's offline world)
     world = make_offline_world(config, max_turns=4, memory_policy="compact", action_format="memopd")
     setup = Path(args.setup_dir)
