@@ -100,15 +100,22 @@ class ClearValueHeadGradients(TrainerCallback):
             self.trainer.value_head.zero_grad(set_to_none=True)
 
 
+class EvaluationStopped(Exception):
+    """Raised by `MemOPDTrainer.evaluate` during training when a SIGTERM asks for a stop: the evaluation is dropped."""
+
+
 class SaveOnSigterm(TrainerCallback):
     """
     After a SIGTERM (`requested`, set by the signal handler of `sigterm_requests`), the next step end saves a
-    checkpoint and stops training; `MemOPDTrainer.train` then exits with status 0. With several processes they vote
-    at every step end (any one signalled stops them all at the same step), since saving is collective.
+    checkpoint and stops training, without the evaluation that step may have planned; `MemOPDTrainer.train` then
+    exits with status 0. An evaluation the signal interrupts is dropped and the checkpoint of its step saved
+    (`MemOPDTrainer.evaluate`). With several processes they vote (`stop_voted`; any one signalled stops them all at the
+    same step), since saving is collective.
     """
 
     def __init__(self, trainer: "MemOPDTrainer"):
         self.trainer = trainer
+        self.watching = False  # inside `sigterm_requests`: only then does a signal ask for a stop
         self.reset()
 
     def reset(self) -> None:
@@ -125,16 +132,25 @@ class SaveOnSigterm(TrainerCallback):
         )
         raise SystemExit(0)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def stop_voted(self) -> bool:
+        """Whether any process was asked to stop. Collective: every process calls it at the same point."""
         requested = self.requested
         accelerator = self.trainer.accelerator
         if accelerator.num_processes > 1:
             vote = torch.tensor(float(requested), device=accelerator.device)
             requested = accelerator.reduce(vote, reduction="sum").item() > 0
-        if requested:
-            control.should_save = True
-            control.should_training_stop = True
-            self.saved_step = state.global_step
+        return requested
+
+    def stop_at(self, state, control) -> None:
+        """Save the checkpoint of this step and stop training."""
+        control.should_save = True
+        control.should_training_stop = True
+        self.saved_step = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop_voted():
+            self.stop_at(state, control)
+            control.should_evaluate = False  # an evaluation would hold the checkpoint back for minutes
 
 
 @contextmanager
@@ -146,12 +162,14 @@ def sigterm_requests(callback: SaveOnSigterm) -> Iterator[None]:
 
     def request(signum, frame):
         callback.requested = True
-        logger.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting.")
+        logger.warning("SIGTERM received: finishing this step or this evaluation's turn, then saving a checkpoint.")
 
     previous = signal.signal(signal.SIGTERM, request)
+    callback.watching = True
     try:
         yield
     finally:
+        callback.watching = False
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -52,6 +52,10 @@ _UNSUPPORTED_GENERATION_FIELDS = (
 )
 
 
+class RolloutStopped(Exception):
+    """Raised by [`~RolloutEngine.rollout`] when its `should_stop` asked it to stop before a turn."""
+
+
 class GeneratedAction(NamedTuple):
     """
     One generated action, cut right after its stop.
@@ -386,6 +390,7 @@ class RolloutEngine:
         greedy: bool = False,
         group_offset: int = 0,
         progress: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> tuple[list[Episode], dict[str, float]]:
         """
         Play `num_generations` episodes per record, all in lock-step batches.
@@ -404,6 +409,9 @@ class RolloutEngine:
                 Added to the record index to make `group_id`, so groups stay unique across calls.
             progress (`bool`, *optional*, defaults to `False`):
                 Show a progress bar over turns.
+            should_stop (`Callable[[], bool]`, *optional*):
+                Asked before every turn; when it answers `True` the rollout raises [`RolloutStopped`] there and its
+                unfinished episodes are dropped. The trainer's evaluation passes one that watches for a SIGTERM.
 
         Returns:
             `tuple[list[Episode], dict[str, float]]`: the episodes, record by record (episode ids `0..N-1`), and
@@ -439,6 +447,9 @@ class RolloutEngine:
         episodes = [state.episode for state in live]
         bar = tqdm(desc="rollout turns", unit="turn", disable=not progress)
         while live := [state for state in live if not state.closed]:
+            if should_stop is not None and should_stop():
+                bar.close()
+                raise RolloutStopped(f"stopped after {stats['num_turns']} model calls, {len(live)} episodes unfinished")
             contexts = [(state, self._build_context(state, stats)) for state in live]
             contexts = [(state, prompt_ids) for state, prompt_ids in contexts if prompt_ids is not None]
             if not contexts:

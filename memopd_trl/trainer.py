@@ -21,7 +21,6 @@ The trainer orchestrates; the maths lives in `losses.py`, the packing in `packin
 """
 
 import copy
-import functools
 import os
 import time
 from collections import defaultdict
@@ -46,6 +45,7 @@ from .attention import register_varlen_attention
 from .audit import AlignmentAudit
 from .callbacks import (
     ClearValueHeadGradients,
+    EvaluationStopped,
     SaveOnSigterm,
     UpdateSkipper,
     last_complete_checkpoint,
@@ -70,7 +70,7 @@ from .losses import (
 from .model_card import build_model_card, hub_network_errors, hub_unreachable_error
 from .packing import PackedInvocationCollator, split_rows
 from .records import Episode, Invocation
-from .rollout import RolloutEngine
+from .rollout import RolloutEngine, RolloutStopped
 from .scoring import (
     TREE_ATTENTION_IMPLEMENTATIONS,
     action_hidden_states,
@@ -624,9 +624,12 @@ class MemOPDTrainer(_BaseTrainer):
         with use_adapter(student, adapter_name=None):
             yield student
 
-    def _play(self, records: list[dict[str, Any]], greedy: bool) -> tuple[list[Episode], dict[str, float]]:
+    def _play(
+        self, records: list[dict[str, Any]], greedy: bool, should_stop: Callable[[], bool] | None = None
+    ) -> tuple[list[Episode], dict[str, float]]:
         """
         Play `records` with the current student: `num_generations` sampled episodes each, or one greedy episode.
+        `should_stop` is `RolloutEngine.rollout`'s.
 
         Every process must call it at the same point, even with no records: gathering the student's weights for
         generation (DeepSpeed ZeRO-3, FSDP2, vLLM weight sync) is collective.
@@ -638,7 +641,7 @@ class MemOPDTrainer(_BaseTrainer):
         num_generations = 1 if greedy else self.args.num_generations
         if self.vllm_generation is not None:
             step = self.state.global_step
-            return self.vllm_generation.play(self.rollout_engine, records, num_generations, greedy, step)
+            return self.vllm_generation.play(self.rollout_engine, records, num_generations, greedy, step, should_stop)
         start = time.perf_counter()
         with (
             unwrap_model_for_generation(self.model_wrapped, self.accelerator) as unwrapped,
@@ -652,7 +655,9 @@ class MemOPDTrainer(_BaseTrainer):
             unwrapped.eval()
             self.rollout_engine.model = unwrapped
             try:
-                return self.rollout_engine.rollout(records, num_generations=num_generations, greedy=greedy)
+                return self.rollout_engine.rollout(
+                    records, num_generations=num_generations, greedy=greedy, should_stop=should_stop
+                )
             finally:
                 unwrapped.train(was_training)
 
@@ -901,15 +906,37 @@ class MemOPDTrainer(_BaseTrainer):
             validate_records(self.env_factory, dataset, "eval_dataset")
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         records = [dataset[i] for i in range(rank, len(dataset), world)]
+        # During training a SIGTERM ends the evaluation at its next turn, so that the checkpoint is saved within the
+        # grace period. With one process only: the processes of a run can be at different turns, so they finish it.
+        preemption = self._preemption if self._preemption.watching else None
+        should_stop = (lambda: preemption.requested) if preemption and self.accelerator.num_processes == 1 else None
         self.model.eval()
         try:
-            episodes, _ = self._play(records, greedy=True)  # on every process, even without records (collectives)
+            try:  # on every process, even without records (collectives)
+                episodes, _ = self._play(records, greedy=True, should_stop=should_stop)
+            except RolloutStopped:
+                episodes = None
+            if preemption is not None and preemption.stop_voted():  # collective
+                raise EvaluationStopped(f"SIGTERM during the evaluation at step {self.state.global_step}")
             metrics = evaluation_metrics(episodes, self.accelerator, metric_key_prefix)
             self.log(metrics)  # in eval mode: logged as `eval_*`
             self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         finally:
             self.model.train()
         return metrics
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, trial, *args, **kwargs):
+        """
+        `transformers.Trainer`'s logging, evaluation and checkpoint after a step, where an evaluation stopped by a
+        SIGTERM is dropped and the step's checkpoint saved at once (transformers would save only after the evaluation).
+        """
+        try:
+            super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, *args, **kwargs)
+        except EvaluationStopped as stop:
+            logger.warning(f"{stop}: the evaluation is dropped and the checkpoint of the step saved.")
+            self._preemption.stop_at(self.state, self.control)
+            self._save_checkpoint(model, trial)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """`transformers.Trainer.save_model`, and the model card (`README.md`) beside the weights."""

@@ -240,17 +240,22 @@ class ColocatedVLLM:
                 module.quant_method.process_weights_after_loading(module)
         self.llm.reset_prefix_cache()
 
-    def play(self, engine, records: list[dict[str, Any]], num_generations: int, greedy: bool, step: int):
-        """`engine.rollout` on the engine, holding the student's weights of training step `step`. Collective."""
+    def play(
+        self, engine, records: list[dict[str, Any]], num_generations: int, greedy: bool, step: int, should_stop=None
+    ):
+        """
+        `engine.rollout` on the engine (`should_stop` is its), holding the student's weights of training step `step`.
+        Collective.
+        """
         if self.synced_step != step:
             self.sync_weights()
             self.synced_step = step
         if not self.sleep_between_rollouts:
-            return engine.rollout(records, num_generations=num_generations, greedy=greedy)
+            return engine.rollout(records, num_generations=num_generations, greedy=greedy, should_stop=should_stop)
         # `sync_weights` woke the weights; the KV cache is only needed while the rollout runs.
         self.llm.wake_up(tags=["kv_cache"])
         try:
-            return engine.rollout(records, num_generations=num_generations, greedy=greedy)
+            return engine.rollout(records, num_generations=num_generations, greedy=greedy, should_stop=should_stop)
         finally:
             # Level 2 discards the weights as well, so the next rollout must push them again.
             self.llm.sleep(level=2)

@@ -2,11 +2,14 @@
 run, and the resumed ones), and starts it as a subprocess to kill or signal.
 
     python tests/interruption_run.py OUTPUT_DIR [--save-steps N] [--kill-in-checkpoint STEP] [--pause-after-step STEP]
+        [--eval-steps N] [--signal-in-eval STEP]
 
-The subprocess writes `started` into OUTPUT_DIR when training begins and `step-N` after each step.
+The subprocess writes `started` into OUTPUT_DIR when training begins, `step-N` after each step and `eval-call-K` at
+the K-th model call of its evaluations (`--eval-steps N`: an evaluation every N steps, none by default).
 `--kill-in-checkpoint STEP` makes the process SIGKILL itself while it writes checkpoint-STEP (after the weights,
 before the optimizer and the trainer state). `--pause-after-step STEP` sleeps 3 s after that step, so that a signal
-sent then lands mid-run.
+sent then lands mid-run. `--signal-in-eval STEP` makes the process SIGTERM itself at the first model call of the
+evaluation after step STEP.
 """
 
 import argparse
@@ -30,9 +33,9 @@ from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic
 MAX_STEPS = 4
 
 
-def build_trainer(output_dir, save_steps: int = 1, callbacks=None) -> MemOPDTrainer:
+def build_trainer(output_dir, save_steps: int = 1, callbacks=None, eval_steps: int = 0) -> MemOPDTrainer:
     """The run: tiny student and teacher, the 8-question synthetic world, `MAX_STEPS` steps, a checkpoint every
-    `save_steps` (0: none)."""
+    `save_steps` (0: none), an evaluation on 4 of the questions every `eval_steps` (0: none)."""
     tokenizer = build_tokenizer(TOKENIZER_TEXTS, vocab_size=512)
     sizes = dict(
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -43,12 +46,14 @@ def build_trainer(output_dir, save_steps: int = 1, callbacks=None) -> MemOPDTrai
         output_dir=str(output_dir), use_cpu=True, report_to="none", max_steps=MAX_STEPS, per_device_train_batch_size=2,
         num_generations=2, max_new_tokens=10, max_prompt_length=512, learning_rate=1e-2, logging_steps=1, seed=0,
         disable_tqdm=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1,
+        eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps or None,
     )  # fmt: skip
     return MemOPDTrainer(
         model=build_tiny_model(seed=0, **sizes),
         teacher_model=build_tiny_model(seed=1, **sizes),
         args=args,
         train_dataset=world.records,
+        eval_dataset=world.records[:4] if eval_steps else None,
         env_factory=HotpotQAEnv.factory(
             corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2, system_prompt="Act."
         ),
@@ -79,11 +84,23 @@ def main():
     parser.add_argument("--save-steps", type=int, default=1)
     parser.add_argument("--kill-in-checkpoint", type=int, default=None)
     parser.add_argument("--pause-after-step", type=int, default=None)
+    parser.add_argument("--eval-steps", type=int, default=0)
+    parser.add_argument("--signal-in-eval", type=int, default=None)
     options = parser.parse_args()
     options.output_dir.mkdir(parents=True, exist_ok=True)
-    trainer = build_trainer(
-        options.output_dir, options.save_steps, callbacks=[Progress(options.output_dir, options.pause_after_step)]
-    )
+    progress = Progress(options.output_dir, options.pause_after_step)
+    trainer = build_trainer(options.output_dir, options.save_steps, callbacks=[progress], eval_steps=options.eval_steps)
+    generate, eval_calls = trainer.rollout_engine.generate, []
+
+    def generate_and_mark(batch_prompt_ids, stop_strings, greedy=False):
+        if greedy:  # an evaluation's model call
+            eval_calls.append(trainer.state.global_step)
+            (options.output_dir / f"eval-call-{len(eval_calls)}").touch()
+            if trainer.state.global_step == options.signal_in_eval and eval_calls.count(options.signal_in_eval) == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return generate(batch_prompt_ids, stop_strings, greedy)
+
+    trainer.rollout_engine.generate = generate_and_mark
     if options.kill_in_checkpoint is not None:
         save_optimizer = trainer._save_optimizer_and_scheduler
 

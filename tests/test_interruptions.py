@@ -102,6 +102,33 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_the_resume_continues_exactly(tmp
     assert_same_weights(straight[0], resume(tmp_path), "SIGTERM after step 1")
 
 
+def test_sigterm_during_an_evaluation_stops_it_at_the_next_turn_and_saves_that_steps_checkpoint(tmp_path, straight):
+    # An evaluation after every step; the signal arrives at the first model call of the one after step 1. Its episodes
+    # last 2 turns: the evaluation must end before the second, and the run must not train step 2 first.
+    process = start(tmp_path, "--save-steps", "0", "--eval-steps", "1", "--signal-in-eval", "1")
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 0, output[-3000:]
+    assert "SIGTERM during the evaluation at step 1: the evaluation is dropped" in output, output[-3000:]
+    assert "SIGTERM: stopped after step 1 and saved checkpoint-1" in output, output[-3000:]
+    assert [p.name for p in tmp_path.glob("eval-call-*")] == ["eval-call-1"], "the evaluation went on after the signal"
+    assert "eval_f1" not in output, "a stopped evaluation was reported"
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-1"]
+    assert not (tmp_path / "step-2").exists(), "the run went on after the signal"
+    assert_same_weights(straight[0], resume(tmp_path), "SIGTERM in the evaluation after step 1")
+
+
+def test_sigterm_during_a_step_skips_the_evaluation_planned_after_it(tmp_path, straight):
+    process = start(tmp_path, "--save-steps", "0", "--eval-steps", "1", "--pause-after-step", "1")
+    wait_for(tmp_path / "step-1", process)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 0, output[-3000:]
+    assert "SIGTERM: stopped after step 1 and saved checkpoint-1" in output, output[-3000:]
+    assert not list(tmp_path.glob("eval-call-*")), "an evaluation ran between the signal and the checkpoint"
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-1"]
+    assert_same_weights(straight[0], resume(tmp_path), "SIGTERM after step 1, before its evaluation")
+
+
 @pytest.mark.slow
 def test_a_kill_at_random_moments_then_resume_reaches_the_uninterrupted_weights(tmp_path, straight):
     # Five moments drawn at random, one in each fifth of the training time: with a checkpoint at every step they fall
