@@ -2,14 +2,15 @@
 run, and the resumed ones), and starts it as a subprocess to kill or signal.
 
     python tests/interruption_run.py OUTPUT_DIR [--save-steps N] [--kill-in-checkpoint STEP] [--pause-after-step STEP]
-        [--eval-steps N] [--signal-in-eval STEP]
+        [--eval-steps N] [--signal-in-eval STEP] [--save-best]
 
 The subprocess writes `started` into OUTPUT_DIR when training begins, `step-N` after each step and `eval-call-K` at
 the K-th model call of its evaluations (`--eval-steps N`: an evaluation every N steps, none by default).
 `--kill-in-checkpoint STEP` makes the process SIGKILL itself while it writes checkpoint-STEP (after the weights,
 before the optimizer and the trainer state). `--pause-after-step STEP` sleeps 3 s after that step, so that a signal
 sent then lands mid-run. `--signal-in-eval STEP` makes the process SIGTERM itself at the first model call of the
-evaluation after step STEP.
+evaluation after step STEP. `--save-best` saves only the best checkpoint by the evaluation's F1
+(`save_strategy="best"`, `metric_for_best_model="eval_f1"`), in place of `--save-steps`.
 """
 
 import argparse
@@ -33,9 +34,12 @@ from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic
 MAX_STEPS = 4
 
 
-def build_trainer(output_dir, save_steps: int = 1, callbacks=None, eval_steps: int = 0) -> MemOPDTrainer:
+def build_trainer(
+    output_dir, save_steps: int = 1, callbacks=None, eval_steps: int = 0, save_best: bool = False
+) -> MemOPDTrainer:
     """The run: tiny student and teacher, the 8-question synthetic world, `MAX_STEPS` steps, a checkpoint every
-    `save_steps` (0: none), an evaluation on 4 of the questions every `eval_steps` (0: none)."""
+    `save_steps` (0: none) or of the best evaluation (`save_best`), an evaluation on 4 of the questions every
+    `eval_steps` (0: none)."""
     tokenizer = build_tokenizer(TOKENIZER_TEXTS, vocab_size=512)
     sizes = dict(
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -48,6 +52,8 @@ def build_trainer(output_dir, save_steps: int = 1, callbacks=None, eval_steps: i
         disable_tqdm=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1,
         eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps or None,
     )  # fmt: skip
+    if save_best:
+        args.save_strategy, args.metric_for_best_model = "best", "eval_f1"
     return MemOPDTrainer(
         model=build_tiny_model(seed=0, **sizes),
         teacher_model=build_tiny_model(seed=1, **sizes),
@@ -86,10 +92,13 @@ def main():
     parser.add_argument("--pause-after-step", type=int, default=None)
     parser.add_argument("--eval-steps", type=int, default=0)
     parser.add_argument("--signal-in-eval", type=int, default=None)
+    parser.add_argument("--save-best", action="store_true")
     options = parser.parse_args()
     options.output_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(options.output_dir, options.pause_after_step)
-    trainer = build_trainer(options.output_dir, options.save_steps, callbacks=[progress], eval_steps=options.eval_steps)
+    trainer = build_trainer(
+        options.output_dir, options.save_steps, [progress], eval_steps=options.eval_steps, save_best=options.save_best
+    )
     generate, eval_calls = trainer.rollout_engine.generate, []
 
     def generate_and_mark(batch_prompt_ids, stop_strings, greedy=False):

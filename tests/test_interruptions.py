@@ -102,10 +102,14 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_the_resume_continues_exactly(tmp
     assert_same_weights(straight[0], resume(tmp_path), "SIGTERM after step 1")
 
 
-def test_sigterm_during_an_evaluation_stops_it_at_the_next_turn_and_saves_that_steps_checkpoint(tmp_path, straight):
+@pytest.mark.parametrize("saving", [["--save-steps", "0"], ["--save-best"]], ids=["no-saves-planned", "save-best"])
+def test_sigterm_during_an_evaluation_stops_it_at_the_next_turn_and_saves_that_steps_checkpoint(
+    tmp_path, straight, saving
+):
     # An evaluation after every step; the signal arrives at the first model call of the one after step 1. Its episodes
-    # last 2 turns: the evaluation must end before the second, and the run must not train step 2 first.
-    process = start(tmp_path, "--save-steps", "0", "--eval-steps", "1", "--signal-in-eval", "1")
+    # last 2 turns: the evaluation must end before the second, and the run must not train step 2 first. With
+    # `save_strategy="best"` the dropped evaluation has no metric to compare, and the checkpoint is saved all the same.
+    process = start(tmp_path, *saving, "--eval-steps", "1", "--signal-in-eval", "1")
     output = process.communicate(timeout=300)[0]
     assert process.returncode == 0, output[-3000:]
     assert "SIGTERM during the evaluation at step 1: the evaluation is dropped" in output, output[-3000:]
