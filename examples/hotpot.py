@@ -26,6 +26,7 @@ http://HOST:8000 --loss_top_k 64`: it is then never loaded beside the student (d
 """
 
 import difflib
+import json
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ from typing import NoReturn
 import torch
 from accelerate import PartialState
 from transformers import AutoTokenizer
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer, load_hotpotqa, offline
 from memopd_trl.envs.retrieval import corpus_from_records
@@ -178,12 +179,72 @@ def parse_args(argv: list[str] | None) -> tuple[ScriptArguments, MemOPDConfig, M
              "run builds and loads its own tiny teacher.")  # fmt: skip
     if config.distill_coef == 0 and any(arm.startswith("memopd") for arm in args.arms):
         fail("--distill_coef 0 turns the memopd arms into PPO only; give it > 0 or run `--arms ppo`.")
+    if (config.resume_from_checkpoint or "").lower() == "false":
+        config.resume_from_checkpoint = None
+    refused = unsupported_options(args, config, model_args)
+    if refused:
+        fail(refused)
     for arm in args.arms:  # each arm's settings are checked now, not after minutes of set-up
         try:
             replace(config, **ARMS[arm])
         except ValueError as error:
             fail(f"arm {arm}: {error}")
     return args, config, model_args
+
+
+def unsupported_options(args: ScriptArguments, config: MemOPDConfig, model_args: ModelArguments) -> str | None:
+    """What the parser accepts but this script cannot honour, as an error message (`None`: everything is honoured)."""
+    runs = len(args.seeds) * len(args.arms)
+    resume = config.resume_from_checkpoint
+    if resume is not None and resume.lower() != "true" and runs > 1:
+        return (f"--resume_from_checkpoint {resume} names one checkpoint, but this run trains {runs} arms x seeds; "
+                "pass `true` to resume each from its own directory (<output_dir>/seed-<s>/<arm>), or run one arm "
+                "and one seed.")  # fmt: skip
+    if resume is not None and resume.lower() != "true" and not Path(resume).is_dir():
+        return f"--resume_from_checkpoint {resume}: no such checkpoint directory."
+    if config.push_to_hub:
+        return ("--push_to_hub: this script trains several arms and does not push; run with --save_models true, then "
+                "push the arm you want (`MemOPDTrainer.push_to_hub`, docs/quickstart.md).")  # fmt: skip
+    if model_args.model_name_or_path is None:  # the offline run loads its own cached tiny models in float32
+        given = [f"--{name}" for name, default in (("model_revision", "main"), ("dtype", "float32"))
+                 if getattr(model_args, name) != default]  # fmt: skip
+        given += [f"--{name}" for name in ("load_in_8bit", "load_in_4bit") if getattr(model_args, name)]
+        if given:
+            return (f"{', '.join(given)} apply to models loaded with --model_name_or_path; the offline run builds "
+                    "its own tiny float32 models.")  # fmt: skip
+    return None
+
+
+def resume_point(resume: str | None, run_dir: Path) -> str | bool | None:
+    """What `trainer.train(resume_from_checkpoint=...)` gets for one arm: `true` resumes from the arm's last complete
+    checkpoint, or starts it afresh when it saved none (it had not started, or was stopped before its first save)."""
+    if resume is None:
+        return None
+    if resume.lower() != "true":
+        return resume
+    if not any(run_dir.glob("checkpoint-*")):
+        log(f"[resume] no checkpoint in {run_dir}: this arm starts from the beginning")
+        return None
+    return True
+
+
+# Settings that do not change what an arm learns: an arm finished under other values of these is still reused.
+NOT_RESULTS = ("resume_from_checkpoint", "disable_tqdm", "report_to", "logging_dir", "run_name", "save_strategy",
+               "save_steps", "save_total_limit")  # fmt: skip
+
+
+def finished_run(run_dir: Path, settings: dict) -> dict | None:
+    """The result an arm saved when it finished (`result.json`), if it trained with these settings."""
+    path = run_dir / "result.json"
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    differ = sorted(k for k in settings.keys() | saved["settings"].keys()
+                    if k not in NOT_RESULTS and settings.get(k) != saved["settings"].get(k))  # fmt: skip
+    if differ:
+        fail(f"{path} was trained with other settings ({', '.join(differ)}); resume with the same ones, or use "
+             "another --output_dir.")  # fmt: skip
+    return saved["run"]
 
 
 def fail(message: str) -> NoReturn:
@@ -239,9 +300,11 @@ def main(argv: list[str] | None = None) -> dict:
             corpus=corpus_from_records(train + evaluation), top_k=args.retrieval_top_k,
             max_malformed=args.max_malformed, system_prompt=args.system_prompt, **env,
         )  # fmt: skip
+        quantization = get_quantization_config(model_args)  # --load_in_4bit / --load_in_8bit (bitsandbytes, CUDA)
         config = replace(
             config,
             model_init_kwargs={"revision": model_args.model_revision, "dtype": model_args.dtype,
+                               **({"quantization_config": quantization} if quantization else {}),
                                **(config.model_init_kwargs or {})},
             teacher_model_init_kwargs={"dtype": model_args.dtype, **(config.teacher_model_init_kwargs or {})},
         )  # fmt: skip
@@ -268,6 +331,15 @@ def main(argv: list[str] | None = None) -> dict:
         for arm in args.arms:
             run_dir = output_dir / f"seed-{seed}" / arm
             arm_config = replace(config, output_dir=str(run_dir), seed=seed, **ARMS[arm])
+            settings = json.loads(arm_config.to_json_string())
+            finished = finished_run(run_dir, settings) if config.resume_from_checkpoint else None
+            if finished is not None:  # resumed: this arm had finished before the run stopped
+                log(
+                    f"[{arm} seed {seed}] finished before: held-out F1 {finished['f1']:.3f} ({run_dir / 'result.json'})"
+                )
+                start = start or {"f1": finished["curve"][0][1], "em": finished["curve"][0][2]}
+                runs.append(finished)
+                continue
             # Real mode: the trainer loads the models the config names. Offline: fresh copies of the cached ones.
             teacher, student = None, model_args.model_name_or_path
             if not real:
@@ -281,7 +353,11 @@ def main(argv: list[str] | None = None) -> dict:
             if start is None:  # measured once: every arm starts from the same model
                 metrics = trainer.evaluate()
                 start = {"f1": metrics["eval_f1"], "em": metrics["eval_em"]}
-            trainer.train()
+            try:
+                trainer.train(resume_from_checkpoint=resume_point(config.resume_from_checkpoint, run_dir))
+            except SystemExit:  # a SIGTERM: the trainer saved a checkpoint of this arm
+                log(f"[{arm} seed {seed}] stopped; run the same command with --resume_from_checkpoint true to go on")
+                raise
             curve = eval_curve(trainer.state.log_history, start)
             if curve[-1][0] != trainer.state.global_step:
                 metrics = trainer.evaluate()
@@ -289,13 +365,11 @@ def main(argv: list[str] | None = None) -> dict:
             seconds = time.perf_counter() - arm_started
             if args.save_models:
                 trainer.save_model(str(run_dir))
-            elif state.is_main_process:  # the trainer makes its output_dir even when it saves nothing
-                for path in (run_dir, run_dir.parent):
-                    if path.is_dir() and not any(path.iterdir()):
-                        path.rmdir()
             log(f"[{arm} seed {seed}] held-out F1 {curve[0][1]:.3f} -> {curve[-1][1]:.3f} ({seconds:.0f} s)")
             runs.append({"arm": arm, "seed": seed, "f1": curve[-1][1], "em": curve[-1][2], "curve": curve,
                          "misalignment": misalignment_curve(trainer.state.log_history), "seconds": seconds})  # fmt: skip
+            if state.is_main_process:  # what `--resume_from_checkpoint true` reuses if a later arm is stopped
+                (run_dir / "result.json").write_text(json.dumps({"settings": settings, "run": runs[-1]}, indent=1))
 
     command = "examples/hotpot.py " + " ".join(sys.argv[1:] if argv is None else argv)
     results = {"mode": "real" if real else "offline", "command": command, "seeds": args.seeds,

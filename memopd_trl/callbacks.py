@@ -85,19 +85,28 @@ class UpdateSkipper(TrainerCallback):
         trainer._metrics["train"]["skipped_updates"].append(float(self.num_skipped))
 
 
-class ClearValueHeadGradients(TrainerCallback):
+class ValueHeadGradients(TrainerCallback):
     """
-    Drops the value head's gradients after every optimizer step. transformers clears gradients with
-    `model.zero_grad()`, which does not reach the value head (it lives beside the model, not in it): without this its
-    gradients would add up over all the steps of a run.
+    The value head's gradients (`advantage_estimator="gae"`). The head lives beside the model, not in it, so neither
+    the model's gradient reduction across processes (DDP, FSDP2, ZeRO-3) nor transformers' `model.zero_grad()`
+    reaches it. Before each optimizer step its gradients are averaged over the processes (as the model's are), so that
+    every process takes the same step and the heads stay equal; after it they are dropped, or they would add up over
+    the steps of a run. Register it before `UpdateSkipper`, whose vote may then drop the averaged gradients.
     """
 
-    def __init__(self, trainer: "MemOPDTrainer"):
-        self.trainer = trainer
+    def __init__(self, value_head: torch.nn.Module, accelerator):
+        self.value_head = value_head
+        self.accelerator = accelerator
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.accelerator.num_processes == 1:
+            return
+        for param in self.value_head.parameters():  # collective: every process reduces, with or without a gradient
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            param.grad = self.accelerator.reduce(grad, reduction="mean")
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        if self.trainer.value_head is not None:
-            self.trainer.value_head.zero_grad(set_to_none=True)
+        self.value_head.zero_grad(set_to_none=True)
 
 
 class EvaluationStopped(Exception):

@@ -44,10 +44,10 @@ from trl.trainer.utils import RepeatSampler, disable_dropout_in_model, identity,
 from .attention import register_varlen_attention
 from .audit import AlignmentAudit
 from .callbacks import (
-    ClearValueHeadGradients,
     EvaluationStopped,
     SaveOnSigterm,
     UpdateSkipper,
+    ValueHeadGradients,
     last_complete_checkpoint,
     sigterm_requests,
 )
@@ -256,9 +256,16 @@ class MemOPDTrainer(_BaseTrainer):
             optimizers=optimizers,
         )
         self._forward_redirection = _ForwardRedirection()
+        self.value_head = None
+        if args.advantage_estimator == "gae":
+            hidden = self.accelerator.unwrap_model(self.model).config.get_text_config().hidden_size
+            self.value_head = nn.Linear(hidden, 1).to(self.accelerator.device)
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+            # Before the update vote: the gradients are averaged on every process, then dropped by all if it skips.
+            self.add_callback(ValueHeadGradients(self.value_head, self.accelerator))
         self._update_skipper = UpdateSkipper(self)
         self.add_callback(self._update_skipper)
-        self.add_callback(ClearValueHeadGradients(self))
         self._preemption = SaveOnSigterm(self)
         self.add_callback(self._preemption)
 
@@ -271,13 +278,6 @@ class MemOPDTrainer(_BaseTrainer):
         self.ref_model = None
         if args.kl_coef > 0 and not _is_peft(self.model):
             self.ref_model = self._load_reference(self.accelerator.unwrap_model(self.model))
-
-        self.value_head = None
-        if args.advantage_estimator == "gae":
-            hidden = self.accelerator.unwrap_model(self.model).config.get_text_config().hidden_size
-            self.value_head = nn.Linear(hidden, 1).to(self.accelerator.device)
-            nn.init.zeros_(self.value_head.weight)
-            nn.init.zeros_(self.value_head.bias)
 
         self._build_scorers()
         self._build_engines()

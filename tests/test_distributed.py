@@ -15,14 +15,16 @@ pytestmark = pytest.mark.subprocess  # starts other processes: deselect with -m 
 SCRIPT = Path(__file__).resolve().parent / "distributed" / "two_process_training.py"
 
 
-def test_two_processes_train_in_sync_on_different_questions(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--gae"]], ids=["group", "gae"])
+def test_two_processes_train_in_sync_on_different_questions(tmp_path, options):
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
     assert accelerate, "the accelerate launcher is not installed"
     # On a machine without GPUs `--multi_gpu` starts torchrun processes that fall back to CPU with the gloo backend
     # (`--cpu` alone starts a single process).
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", CUDA_VISIBLE_DEVICES="")
     result = subprocess.run(
-        [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "29517", str(SCRIPT)],
+        [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "29517", str(SCRIPT),
+         *options],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=300,

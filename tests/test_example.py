@@ -58,7 +58,11 @@ def test_smoke_run_trains_every_arm_writes_results_and_never_touches_the_network
     assert audits["ppo"] == [] and audits["memopd_persistent"] == []
     assert (out / "misalignment.png").stat().st_size > 0
     assert (out / "teacher" / "config.json").exists(), "the teacher is cached for reruns"
-    assert not (out / "seed-0").exists(), "arms that save nothing leave no empty folders behind"
+    # Each arm keeps only its result (what `--resume_from_checkpoint true` reuses), no model or checkpoint.
+    for run in results["runs"]:
+        run_dir = out / "seed-0" / run["arm"]
+        assert [p.name for p in run_dir.iterdir()] == ["result.json"], list(run_dir.iterdir())
+        assert json.loads((run_dir / "result.json").read_text())["run"] == run
     assert summary["runs"] == results["runs"]
 
 

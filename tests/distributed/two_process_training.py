@@ -1,10 +1,12 @@
 """Two training steps of MemOPDTrainer across processes; run with
 
-    accelerate launch --num_processes 2 --cpu tests/distributed/two_process_training.py
+    accelerate launch --num_processes 2 --cpu tests/distributed/two_process_training.py [--gae]
 
 Checks, on every process: the student changed, the teacher did not, the processes played different questions, and
 after the steps every process holds the same student weights (the gradient all-reduce went through the trainer's
-forward redirection). Exits non-zero on any failure. `tests/test_distributed.py` runs it.
+forward redirection). With `--gae` (`advantage_estimator="gae"`) the value head, which lives beside the model, must
+have changed and be the same on every process too. Exits non-zero on any failure. `tests/test_distributed.py` runs
+it.
 """
 
 import os
@@ -23,8 +25,20 @@ from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
 from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
+class PayingEnv(HotpotQAEnv):
+    """Random tiny models write malformed actions, which earn 0: here an episode's end pays a reward that depends on
+    its last action, so that GAE's returns, and the value head's gradients, differ between episodes and processes."""
+
+    def step(self, action_text: str):
+        result = super().step(action_text)
+        if result.done:
+            self.reward = result.reward = len(action_text) % 5 / 4
+        return result
+
+
 def main() -> int:
     state = PartialState()
+    gae = "--gae" in sys.argv[1:]
     world = make_synthetic_world(16, seed=0)
     tokenizer = build_tokenizer(world.texts(), vocab_size=512)
 
@@ -44,9 +58,10 @@ def main() -> int:
         args=MemOPDConfig(
             output_dir=output_dir, use_cpu=True, report_to="none", max_steps=2, per_device_train_batch_size=2,
             num_generations=2, max_new_tokens=8, learning_rate=1e-2, save_strategy="no", disable_tqdm=True, seed=0,
+            advantage_estimator="gae" if gae else "group",
         ),
         train_dataset=world.records,
-        env_factory=HotpotQAEnv.factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2),
+        env_factory=(PayingEnv if gae else HotpotQAEnv).factory(corpus=world.corpus, top_k=1, max_turns=2, max_malformed=2),
         processing_class=tokenizer,
     )
     played = []
@@ -72,6 +87,14 @@ def main() -> int:
     gathered = trainer.accelerator.gather(flat[None])  # (num_processes, num_params)
     if not torch.allclose(gathered[0], gathered[-1]):
         failures.append("the processes hold different student weights after the steps")
+    if gae:
+        head = torch.cat([p.detach().flatten() for p in trainer.value_head.parameters()])
+        heads = trainer.accelerator.gather(head[None])  # (num_processes, hidden + 1)
+        if not heads.abs().sum() > 0:
+            failures.append("the value head did not change")
+        if not torch.equal(heads[0], heads[-1]):
+            difference = (heads[0] - heads[-1]).abs().max().item()
+            failures.append(f"the processes hold different value heads after the steps (max difference {difference:.3g})")
     ids = trainer.accelerator.gather_for_metrics([played], use_gather_object=True)
     if len(ids) == 2 and set(ids[0]) == set(ids[1]):
         failures.append("both processes played the same questions")
