@@ -37,14 +37,15 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from transformers.utils import is_flash_attn_2_available  # noqa: E402
 
 from memopd_trl.attention import VARLEN_SDPA  # noqa: E402
-from memopd_trl.offline import build_tiny_model  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, split_rows  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import action_logprobs, full_logits_action_logprobs  # noqa: E402
+from offline_lab import build_tiny_model  # noqa: E402
 
 
 QWEN_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -157,7 +158,7 @@ def layouts(args, device) -> dict:
 
 def trainer_step(args, device) -> dict:
     from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
-    from memopd_trl.offline import build_tokenizer, make_synthetic_world
+    from offline_lab import build_tokenizer, make_synthetic_world
 
     world = make_synthetic_world(16, seed=0)
     tokenizer = build_tokenizer(world.texts(), vocab_size=600)
@@ -183,7 +184,7 @@ def trainer_step(args, device) -> dict:
 
 def rollout_prefill(args, device) -> dict:
     from memopd_trl import RolloutEngine
-    from memopd_trl.offline import build_tokenizer
+    from offline_lab import build_tokenizer
 
     tokenizer = build_tokenizer(["a b c d e f g h"], vocab_size=300)
     vocab, sizes = len(tokenizer), dict(hidden_size=64, num_hidden_layers=2) if args.smoke else QWEN_05B

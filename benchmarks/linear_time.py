@@ -16,9 +16,10 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from memopd_trl.envs.base import ActionFormat, parse_action  # noqa: E402
-from memopd_trl.offline import make_synthetic_world  # noqa: E402
+from offline_lab import make_synthetic_world  # noqa: E402
 
 
 def timed(function, *args, repeats: int = 3, **kwargs) -> float:

@@ -24,13 +24,15 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 import torch  # noqa: E402
 from transformers import HfArgumentParser  # noqa: E402
 
 from memopd_trl import MemOPDConfig, MemOPDTrainer  # noqa: E402
 from memopd_trl.envs.multi import multi_objective_max_turns  # noqa: E402
-from memopd_trl.offline import (  # noqa: E402
+from memopd_trl.rollout import RolloutEngine  # noqa: E402
+from offline_lab import (  # noqa: E402
     OfflineConfig,
     load_offline_model,
     load_offline_tokenizer,
@@ -38,7 +40,6 @@ from memopd_trl.offline import (  # noqa: E402
     prepare_offline_models,
     teacher_takeover,
 )
-from memopd_trl.rollout import RolloutEngine  # noqa: E402
 
 
 # The measured setting: two sub-questions, one passage per search (a forgetful expert cannot read an earlier fact
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     signal = {}
     if args.signal_steps > 0:
         start = time.perf_counter()
-        signal = training_signal(world, output_dir, tokenizer, args, max_turns=max_turns, **generation)
+        signal = training_signal(world, output_dir, tokenizer, args, **generation)
         signal["seconds"] = round(time.perf_counter() - start, 1)
 
     def scores(role: str) -> dict:

@@ -29,10 +29,14 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from memopd_trl.envs.base import FullHistoryMemoryPolicy  # noqa: E402
 from memopd_trl.envs.hotpot import HotpotQAEnv  # noqa: E402
-from memopd_trl.offline import (  # noqa: E402
+from memopd_trl.packing import PackedInvocationCollator  # noqa: E402
+from memopd_trl.records import Invocation  # noqa: E402
+from memopd_trl.scoring import action_logprobs, full_logits_action_logprobs  # noqa: E402
+from offline_lab import (  # noqa: E402
     SyntheticExpert,
     build_tiny_model,
     build_tokenizer,
@@ -41,9 +45,6 @@ from memopd_trl.offline import (  # noqa: E402
     make_synthetic_world,
     play_episode,
 )
-from memopd_trl.packing import PackedInvocationCollator  # noqa: E402
-from memopd_trl.records import Invocation  # noqa: E402
-from memopd_trl.scoring import action_logprobs, full_logits_action_logprobs  # noqa: E402
 
 
 # Assistant content that no template renders by itself; the text after it is what follows an action.

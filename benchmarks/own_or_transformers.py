@@ -46,15 +46,16 @@ from transformers.masking_utils import eager_mask, sdpa_mask
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from rollout_prefill import interleaved  # noqa: E402
 from shared_prefix import synthetic_invocations  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, RolloutEngine, rollout, scoring  # noqa: E402
 from memopd_trl.attention import tree_attention_mask  # noqa: E402
-from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator, split_rows  # noqa: E402
 from memopd_trl.rollout import _StopOnText, find_stop  # noqa: E402
+from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

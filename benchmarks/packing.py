@@ -37,12 +37,13 @@ import torch.nn.functional as F
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from memopd_trl.attention import VARLEN_SDPA  # noqa: E402
-from memopd_trl.offline import build_tiny_model  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, gather_actions  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import action_logprobs, action_logprobs_from_hidden, action_token_ids  # noqa: E402
+from offline_lab import build_tiny_model  # noqa: E402
 
 
 SECTION = "## Packing and scoring"

@@ -24,10 +24,11 @@ import torch
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from memopd_trl import RolloutEngine  # noqa: E402
 from memopd_trl.envs.multi import MULTI_ANSWER_SEPARATOR  # noqa: E402
-from memopd_trl.offline import OfflineConfig, load_offline_model, load_offline_tokenizer, make_offline_world  # noqa: E402
+from offline_lab import OfflineConfig, load_offline_model, load_offline_tokenizer, make_offline_world  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

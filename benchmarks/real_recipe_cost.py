@@ -33,14 +33,15 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, PackedInvocationCollator, RolloutEngine  # noqa: E402
 from memopd_trl.attention import VARLEN_SDPA, register_varlen_attention  # noqa: E402
-from memopd_trl.offline import OfflineConfig, expert_invocations, expert_trajectories, make_offline_world  # noqa: E402
 from memopd_trl.packing import split_rows  # noqa: E402
 from memopd_trl.scoring import action_hidden_states, action_logprobs  # noqa: E402
+from offline_lab import OfflineConfig, expert_invocations, expert_trajectories, make_offline_world  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -27,10 +27,11 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from memopd_trl.envs.hotpot import HotpotQAEnv  # noqa: E402
 from memopd_trl.envs.retrieval import BM25Retriever  # noqa: E402
-from memopd_trl.offline import expert_trajectories, make_synthetic_world  # noqa: E402
+from offline_lab import expert_trajectories, make_synthetic_world  # noqa: E402
 
 
 SECTION = "## Retrieval (BM25)"

@@ -29,9 +29,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab and the main job
 
 from memopd_trl import RolloutEngine  # noqa: E402
-from memopd_trl.offline import build_tiny_model, build_tokenizer  # noqa: E402
+from offline_lab import build_tiny_model, build_tokenizer  # noqa: E402
 
 
 SECTION = "## Rollout: shared prompt prefill"
@@ -58,10 +59,9 @@ def main_job(args) -> dict | None:
             f"No cached set-up in {setup}: run `accelerate launch examples/hotpot.py` first; skipped.", file=sys.stderr
         )
         return None
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import hotpot
 
-    from memopd_trl import offline
+    import offline_lab as offline
 
     script, config, _ = hotpot.parse_args(["--output_dir", args.setup_dir])
     env = dict(max_turns=script.max_turns, memory_policy=script.memory_policy, action_format=script.action_format)

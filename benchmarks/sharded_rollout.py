@@ -17,14 +17,19 @@ Prints the medians, in seconds, on rank 0.
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from memopd_trl.offline import build_tiny_model
-from memopd_trl.sharding import gathered_for_generation
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
+
+from memopd_trl.sharding import gathered_for_generation  # noqa: E402
+from offline_lab import build_tiny_model  # noqa: E402
 
 
 def main() -> None:

@@ -35,12 +35,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from memopd_trl.attention import VARLEN_SDPA  # noqa: E402
-from memopd_trl.offline import build_tiny_model  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, split_rows  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import action_logprobs  # noqa: E402
+from offline_lab import build_tiny_model  # noqa: E402  (examples/ is on sys.path)
 
 
 SECTION = "## Shared-prefix packing"
@@ -50,10 +51,10 @@ def record_invocations(args: argparse.Namespace) -> list[Invocation]:
     """Play the cached student start of the main job on training questions; record (or reload) its invocations."""
     path = Path(args.recorded)
     if not path.exists():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
         import hotpot
 
-        from memopd_trl import RolloutEngine, offline
+        import offline_lab as offline
+        from memopd_trl import RolloutEngine
 
         script, config, _ = hotpot.parse_args(["--output_dir", args.setup_dir])
         env = dict(max_turns=script.max_turns, memory_policy=script.memory_policy, action_format=script.action_format)

@@ -34,9 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, PackedInvocationCollator, RolloutEngine, load_hotpotqa  # noqa: E402
-from memopd_trl.attention import register_varlen_attention  # noqa: E402
+from memopd_trl.attention import (
+    VARLEN_SDPA,  # noqa: E402
+    register_varlen_attention,  # noqa: E402
+)
 from memopd_trl.envs.retrieval import corpus_from_records  # noqa: E402
-from memopd_trl.attention import VARLEN_SDPA  # noqa: E402
 from memopd_trl.teacher import ServerTeacher  # noqa: E402
 
 
@@ -90,7 +92,6 @@ def local_seconds(model, tokenizer, invocations, top_k: int, share_prefix: bool,
     """The best of `repeats` local teacher scorings (packed forward, top-k from the LM head), in seconds."""
     from accelerate import Accelerator
 
-    from memopd_trl.packing import split_rows
     from memopd_trl.teacher import LocalTeacher
 
     register_varlen_attention()
@@ -98,7 +99,7 @@ def local_seconds(model, tokenizer, invocations, top_k: int, share_prefix: bool,
     pad = tokenizer.pad_token_id
     collator = PackedInvocationCollator(max_model_length=8192, pad_token_id=pad, share_prefix=share_prefix)
     teacher = LocalTeacher(
-        model, Accelerator(cpu=True), {"aligned": collator}, lambda packed: split_rows(packed, pad_token_id=pad),
+        model, Accelerator(cpu=True), {"aligned": collator}, pad,
         len(tokenizer), 1.0, 1024, top_k=top_k,
     )  # fmt: skip
     best = float("inf")

@@ -15,15 +15,19 @@ every step, `misalignment_audit_steps=1`, timed as `time/audit`).
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
+
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
+from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
 ARMS = {

@@ -8,7 +8,8 @@ __version__ = "0.1.0.dev0"
 
 # Public name -> module that defines it. Imported lazily so that `import memopd_trl` stays cheap and a user who only
 # needs the metrics or the environments does not pay for torch/transformers start-up. The offline lab (synthetic
-# world, tiny models, imitation, report) is the subpackage `memopd_trl.offline`, not part of this API.
+# world, tiny models, imitation, report) is example code beside the library (`examples/offline_lab/`), not part of
+# this API.
 _EXPORTS = {
     "Episode": "memopd_trl.records",
     "Invocation": "memopd_trl.records",

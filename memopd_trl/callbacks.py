@@ -7,20 +7,15 @@ import json
 import signal
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints
 from transformers.utils import logging
-
-
-if TYPE_CHECKING:
-    from .trainer import MemOPDTrainer
 
 
 logger = logging.get_logger(__name__)
@@ -35,10 +30,15 @@ class UpdateSkipper(TrainerCallback):
     The vote must be collective. Under DDP every process all-reduces its gradients and steps the same optimizer on
     the result: a process that skipped on its own would hold other weights than the rest from then on (and one that
     left the collective calls early would leave the others waiting forever).
+
+    Args:
+        accelerator (`Accelerator`): the trainer's, for the vote.
+        record (`Callable[[str, float], None]`): logs a training metric (`skipped_updates`, the count so far).
     """
 
-    def __init__(self, trainer: "MemOPDTrainer"):
-        self.trainer = trainer
+    def __init__(self, accelerator, record: Callable[[str, float], None]):
+        self.accelerator = accelerator
+        self.record = record
         self.num_skipped = 0
         self.num_votes = 0  # optimizer steps voted on (taken or skipped)
         self.last_reason: str | None = None  # of this process's last request
@@ -72,17 +72,16 @@ class UpdateSkipper(TrainerCallback):
             stacklevel=3,
         )
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        requested = torch.tensor(float(self._requested), device=trainer.accelerator.device)
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        requested = torch.tensor(float(self._requested), device=self.accelerator.device)
         self._requested = False
         self.num_votes += 1
-        if trainer.accelerator.reduce(requested, reduction="sum").item() > 0:
+        if self.accelerator.reduce(requested, reduction="sum").item() > 0:
             # torch optimizers step only parameters that have a gradient: with none, nothing moves, not even the
             # Adam moments (the value head is in the optimizer, so this covers it too).
-            trainer.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             self.num_skipped += 1
-        trainer._metrics["train"]["skipped_updates"].append(float(self.num_skipped))
+        self.record("skipped_updates", float(self.num_skipped))
 
 
 class ValueHeadGradients(TrainerCallback):
@@ -122,8 +121,8 @@ class SaveOnSigterm(TrainerCallback):
     same step), since saving is collective.
     """
 
-    def __init__(self, trainer: "MemOPDTrainer"):
-        self.trainer = trainer
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
         self.watching = False  # inside `sigterm_requests`: only then does a signal ask for a stop
         self.reset()
 
@@ -144,7 +143,7 @@ class SaveOnSigterm(TrainerCallback):
     def stop_voted(self) -> bool:
         """Whether any process was asked to stop. Collective: every process calls it at the same point."""
         requested = self.requested
-        accelerator = self.trainer.accelerator
+        accelerator = self.accelerator
         if accelerator.num_processes > 1:
             vote = torch.tensor(float(requested), device=accelerator.device)
             requested = accelerator.reduce(vote, reduction="sum").item() > 0

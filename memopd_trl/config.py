@@ -1,6 +1,5 @@
 """`MemOPDConfig`: the TRL-style configuration of `MemOPDTrainer`."""
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,15 +17,6 @@ _ATTN_IMPLEMENTATIONS = (
 )
 
 
-# Deprecated field name -> its new name (see `MemOPDConfig._apply_deprecated_names`).
-_RENAMED_FIELDS = {
-    "distill_until_divergence": "distill_divergence_threshold",
-    "audit_steps": "misalignment_audit_steps",
-}
-# Environment settings the config still accepts for one release; the env factory takes them.
-_ENV_SETTINGS = ("memory_policy", "action_format", "max_turns")
-
-
 @dataclass
 class MemOPDConfig(_BaseConfig):
     r"""
@@ -37,65 +27,64 @@ class MemOPDConfig(_BaseConfig):
     state the student sampled it in, and a loss mixing generalized JSD distillation with PPO on the final reward.
     Every field can be set from the command line with [`~transformers.HfArgumentParser`] / [`~trl.TrlParser`].
 
-    Unlike TRL's base config, `bf16` defaults to `True` only when a CUDA device is available, so `MemOPDConfig()`
-    works as it is on a CPU-only machine.
+    The environment's own settings (memory policy, action format, turn limit) are not part of the config: the env
+    factory takes them, e.g. `HotpotQAEnv.factory(max_turns=4, memory_policy="compact", action_format="memopd")`.
 
     Parameters:
-        > Parameters that control the precision
-
-        bf16 (`bool`, *optional*):
-            Whether to train in bf16 mixed precision. Left unset (`None`) it is on only where a CUDA GPU is available
-            and neither `use_cpu` nor `fp16` is set.
-
-        > Parameters that control the models
+        > Parameters that control the model
 
         model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
             Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the trainer's `model` is a string.
-        teacher_model_name_or_path (`str`, *optional*):
-            Teacher model id or path, used when the trainer is given no `teacher_model`.
-        teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
-            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string.
-        teacher_model_server_url (`str`, *optional*):
-            Base URL of a vLLM OpenAI-compatible server hosting the teacher (e.g. `"http://127.0.0.1:8000"`, served
-            with `vllm serve TEACHER --max-logprobs K`), as in TRL's server distillation. The teacher is then never
-            loaded in a training process: every recorded invocation is sent as its own token ids and the server
-            returns its top-`loss_top_k` log-probs at each action token. Needs `loss_top_k` >= 1. Takes the place of
-            `teacher_model_name_or_path`, which is then not loaded.
-        teacher_server_timeout (`float`, *optional*, defaults to `300.0`):
-            Seconds one request to the teacher server may take.
-        teacher_server_max_retries (`int`, *optional*, defaults to `3`):
-            Retries of a failed request to the teacher server (connection error, timeout, 5xx), with exponential
-            backoff from 1 s; then the step fails with an error naming the URL and the attempts.
         attn_implementation (`str`, *optional*, defaults to `"sdpa"`):
             Attention implementation of the student when loaded from a string: `"eager"`, `"sdpa"`,
             `"flex_attention"`, `"flash_attention_2"`, `"flash_attention_3"` or `"memopd_sdpa_varlen"` (padding-free
             packed attention with plain torch sdpa, the fastest choice on CPU).
-        teacher_attn_implementation (`str`, *optional*):
-            Attention implementation of the teacher; defaults to `attn_implementation`.
         trust_remote_code (`bool`, *optional*, defaults to `False`):
             Whether to run model or tokenizer code shipped with a checkpoint. Off unless you trust the source.
         disable_dropout (`bool`, *optional*, defaults to `True`):
             Whether to disable dropout in the student and the teacher.
 
-        > Parameters that control the environment and the rollouts
+        > Parameters that control the teacher
 
-        memory_policy (`str`, *optional*), action_format (`str`, *optional*), max_turns (`int`, *optional*):
-            Deprecated: environment settings belong to the environment, e.g. `HotpotQAEnv.factory(max_turns=4,
-            memory_policy="compact", action_format="memopd")`. When set, they still override the env factory's own
-            settings, with a warning; they will be removed in the next release.
+        teacher_model_name_or_path (`str`, *optional*):
+            Teacher model id or path, used when the trainer is given no `teacher_model`.
+        teacher_model_init_kwargs (`dict[str, Any]` or `str`, *optional*):
+            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string.
+        teacher_attn_implementation (`str`, *optional*):
+            Attention implementation of the teacher; defaults to `attn_implementation`.
+        teacher_model_server_url (`str`, *optional*):
+            Base URL of a vLLM OpenAI-compatible server hosting the teacher (e.g. `"http://127.0.0.1:8000"`, served
+            with `vllm serve TEACHER --max-logprobs K`), as in TRL's server distillation. The teacher is then never
+            loaded in a training process: every recorded invocation is sent as its own token ids and the server
+            returns its top-`loss_top_k` log-probs at each action token. Takes the place of
+            `teacher_model_name_or_path`, which is then not loaded. Needs `loss_top_k` >= 1, `teacher_generations=0`
+            and `distill_temperature=1.0`, and `temperature=1.0` with `sampled_kl_coef` or
+            `distill_divergence_threshold` (the server scores at temperature 1).
+        teacher_server_timeout (`float`, *optional*, defaults to `300.0`):
+            Seconds one request to the teacher server may take.
+        teacher_server_max_retries (`int`, *optional*, defaults to `3`):
+            Retries of a failed request to the teacher server (connection error, timeout, 5xx), with exponential
+            backoff from 1 s; then the step fails with an error naming the URL and the attempts.
+
+        > Parameters that control the rollouts
+
         max_new_tokens (`int`, *optional*, defaults to `128`):
             Maximum number of tokens sampled per model call.
         max_prompt_length (`int`, *optional*, defaults to `2048`):
             Maximum number of context tokens of a model call; longer contexts are shrunk by the environment
             (memory/observation), never by cutting a sampled action.
         num_generations (`int`, *optional*, defaults to `4`):
-            Episodes played per question (a group, for group-normalized advantages).
+            Episodes played per question (a group, for group-normalized advantages). At least 2 with
+            `advantage_estimator="group"` and `ppo_coef > 0`.
         temperature (`float`, *optional*, defaults to `1.0`):
             Sampling temperature of the rollouts; also the temperature of the PPO log-probs.
         top_p (`float`, *optional*, defaults to `1.0`):
             Nucleus sampling threshold of the rollouts.
         top_k (`int`, *optional*, defaults to `0`):
             Top-k sampling of the rollouts (0 disables it).
+
+        > Parameters that control generation acceleration powered by vLLM
+
         use_vllm (`bool`, *optional*, defaults to `False`):
             Whether to generate the rollouts (training and evaluation) with vLLM instead of transformers' `generate`.
             Each process builds its own vLLM engine on its GPU, colocated with training (TRL's `VLLMGeneration`), and
@@ -117,12 +106,10 @@ class MemOPDConfig(_BaseConfig):
             scoring and the optimizer step. Lowers peak memory, but the weights are pushed again before every
             rollout, evaluation included.
 
-        > Parameters that control the loss
+        > Parameters that control the distillation loss
 
         distill_coef (`float`, *optional*, defaults to `1.0`):
             Weight of the distillation loss. 0 gives the PPO-only baseline.
-        ppo_coef (`float`, *optional*, defaults to `1.0`):
-            Weight of the PPO loss. 0 gives pure on-policy distillation.
         beta (`float`, *optional*, defaults to `0.5`):
             Generalized JSD interpolation: 0 is forward KL(teacher || student), 1 is reverse KL(student || teacher).
         distill_temperature (`float`, *optional*, defaults to `1.0`):
@@ -138,11 +125,6 @@ class MemOPDConfig(_BaseConfig):
             `"aligned"`: the teacher scores each action in the exact context the student sampled it in (MemOPD).
             `"persistent"`: the teacher scores each action under the episode flattened into one growing history
             (the matched control).
-        sampled_kl_coef (`float`, *optional*, defaults to `0.0`):
-            Weight of the sampled-token reverse-KL advantage: `sampled_kl_coef * (log q(a) - log p(a))` is added to
-            each action token's PPO advantage, with `q` the teacher and `p` the rollout policy at the sampled token
-            `a`, both at the sampling `temperature`. 0 disables it; it needs a teacher and `ppo_coef > 0`, and can be
-            used beside the full-vocabulary distillation loss or instead of it (`distill_coef=0`).
         distill_divergence_threshold (`float`, *optional*, defaults to `0.0`):
             Distill each action only up to its first sampled token whose teacher probability (at the sampling
             `temperature`) is below this value, that token included (`memopd_trl.losses.until_first_divergence`):
@@ -161,6 +143,16 @@ class MemOPDConfig(_BaseConfig):
             (see `distill_divergence_scope`). These episodes add to the distillation loss only, never to PPO. Like
             sequence-level distillation on teacher outputs in TRL's `GKDTrainer` (`seq_kd`, `lmbda`). 0 = off; it
             needs `distill_coef > 0`.
+
+        > Parameters that control the training
+
+        ppo_coef (`float`, *optional*, defaults to `1.0`):
+            Weight of the PPO loss. 0 gives pure on-policy distillation.
+        sampled_kl_coef (`float`, *optional*, defaults to `0.0`):
+            Weight of the sampled-token reverse-KL advantage: `sampled_kl_coef * (log q(a) - log p(a))` is added to
+            each action token's PPO advantage, with `q` the teacher and `p` the rollout policy at the sampled token
+            `a`, both at the sampling `temperature`. 0 disables it; it needs a teacher and `ppo_coef > 0`, and can be
+            used beside the full-vocabulary distillation loss or instead of it (`distill_coef=0`).
         kl_coef (`float`, *optional*, defaults to `0.0`):
             Weight of a KL penalty to the student's initial weights (a frozen reference copy); 0 disables it.
         epsilon (`float`, *optional*, defaults to `0.2`):
@@ -221,7 +213,7 @@ class MemOPDConfig(_BaseConfig):
         logit_chunk_size (`int`, *optional*, defaults to `1024`):
             Action tokens per chunk when applying the LM heads, which bounds peak memory by chunk x vocabulary.
 
-        > Parameters that control the diagnostics
+        > Parameters that control the logging and diagnostics
 
         distill_diagnostics (`bool`, *optional*, defaults to `True`):
             Whether to log, at every update where the teacher scores, `distill/teacher_confidence`,
@@ -233,17 +225,24 @@ class MemOPDConfig(_BaseConfig):
             actions under the flattened persistent history, and `misalignment/kl_turn_{k}` logs its KL(aligned ||
             persistent) by turn. Costs one extra teacher forward on the persistent rows on those steps. 0 disables it.
 
-        > Deprecated names (they still work, with a `FutureWarning`, and will be removed in the next release)
-
-        distill_until_divergence (`float`, *optional*):
-            Now `distill_divergence_threshold`.
-        audit_steps (`int`, *optional*):
-            Now `misalignment_audit_steps`.
+    > [!NOTE]
+    > These parameters have default values different from [`~transformers.TrainingArguments`] or TRL's base config:
+    > - `learning_rate`: Defaults to `1e-6` instead of `5e-5`.
+    > - `logging_steps`: Defaults to `1` instead of `500`.
+    > - `per_device_train_batch_size`: Defaults to `2` instead of `8`: questions per device per rollout, each played
+    >   `num_generations` times.
+    > - `remove_unused_columns`: Defaults to `False` instead of `True`: the trainer reads whole HotpotQA-format
+    >   records, not model inputs.
+    > - `bf16`: Left unset (`None`; `null` in a TrlParser config file), it is on only where a CUDA GPU is available
+    >   and neither `use_cpu` nor `fp16` is set (TRL's base config turns it on whenever `fp16` is not set), so
+    >   `MemOPDConfig()` works as it is on a CPU-only machine.
+    > - `gradient_checkpointing`: Left unset (`None`, off) as in [`~transformers.TrainingArguments`], instead of
+    >   TRL's `True`; it is a deprecated alias of `activation_checkpointing`.
     """
 
     _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + ["model_init_kwargs", "teacher_model_init_kwargs"]
 
-    # Overrides of TrainingArguments / TRL defaults suited to this trainer.
+    # Parameters whose default values are overridden from TrainingArguments
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
     logging_steps: float = field(
         default=1,
@@ -271,32 +270,10 @@ class MemOPDConfig(_BaseConfig):
         },
     )
 
-    # Models
+    # Parameters that control the model
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string."},
-    )
-    teacher_model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Teacher model id or path, used when the trainer is given no `teacher_model`."},
-    )
-    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string."},
-    )
-    teacher_model_server_url: str | None = field(
-        default=None,
-        metadata={
-            "help": 'Base URL of a vLLM server hosting the teacher (e.g. "http://127.0.0.1:8000"); the teacher is then '
-            "never loaded in a training process. Needs `loss_top_k` >= 1."
-        },
-    )
-    teacher_server_timeout: float = field(
-        default=300.0, metadata={"help": "Seconds one request to the teacher server may take."}
-    )
-    teacher_server_max_retries: int = field(
-        default=3,
-        metadata={"help": "Retries of a failed teacher-server request (exponential backoff from 1 s) before failing."},
     )
     attn_implementation: str = field(
         default="sdpa",
@@ -304,10 +281,6 @@ class MemOPDConfig(_BaseConfig):
             "help": "Attention implementation of the student when loaded from a string.",
             "choices": list(_ATTN_IMPLEMENTATIONS),
         },
-    )
-    teacher_attn_implementation: str | None = field(
-        default=None,
-        metadata={"help": "Attention implementation of the teacher; defaults to `attn_implementation`."},
     )
     trust_remote_code: bool = field(
         default=False,
@@ -317,39 +290,56 @@ class MemOPDConfig(_BaseConfig):
         default=True, metadata={"help": "Whether to disable dropout in the student and the teacher."}
     )
 
-    # Environment and rollouts
-    memory_policy: str | None = field(
+    # Parameters that control the teacher
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Teacher model id or path, used when the trainer is given no `teacher_model`."},
+    )
+    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained` when the teacher is a string."},
+    )
+    teacher_attn_implementation: str | None = field(
+        default=None,
+        metadata={"help": "Attention implementation of the teacher; defaults to `attn_implementation`."},
+    )
+    teacher_model_server_url: str | None = field(
         default=None,
         metadata={
-            "help": "Deprecated (give it to the env factory): context the agent sees each turn (`compact` or "
-            "`full_history`); overrides the env factory's.",
+            "help": 'Base URL of a vLLM server hosting the teacher (e.g. "http://127.0.0.1:8000"); the teacher is then '
+            "never loaded in a training process. Needs `loss_top_k` >= 1, `teacher_generations=0`, "
+            "`distill_temperature=1.0`, and `temperature=1.0` with `sampled_kl_coef` or "
+            "`distill_divergence_threshold`."
         },
     )
-    action_format: str | None = field(
-        default=None,
-        metadata={
-            "help": "Deprecated (give it to the env factory): tag preset of the action grammar (`memopd` or `mem1`); "
-            "overrides the env factory's."
-        },
+    teacher_server_timeout: float = field(
+        default=300.0, metadata={"help": "Seconds one request to the teacher server may take."}
     )
-    max_turns: int | None = field(
-        default=None,
-        metadata={
-            "help": "Deprecated (give it to the env factory): turns after which an unanswered episode ends (reward "
-            "0); overrides the env factory's."
-        },
+    teacher_server_max_retries: int = field(
+        default=3,
+        metadata={"help": "Retries of a failed teacher-server request (exponential backoff from 1 s) before failing."},
     )
+
+    # Parameters that control the rollouts
     max_new_tokens: int = field(default=128, metadata={"help": "Maximum number of tokens sampled per model call."})
     max_prompt_length: int = field(
         default=2048,
         metadata={"help": "Maximum context tokens of a model call; longer contexts are shrunk by the environment."},
     )
     num_generations: int = field(
-        default=4, metadata={"help": "Episodes per question (a group, for group-normalized advantages)."}
+        default=4,
+        metadata={
+            "help": "Episodes per question (a group, for group-normalized advantages); at least 2 with "
+            "`advantage_estimator=group` and `ppo_coef` > 0."
+        },
     )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the rollouts."})
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature of the rollouts; also that of the PPO log-probs."}
+    )
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling threshold of the rollouts."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling of the rollouts (0 disables it)."})
+
+    # Parameters that control generation acceleration powered by vLLM
     use_vllm: bool = field(
         default=False,
         metadata={
@@ -379,11 +369,10 @@ class MemOPDConfig(_BaseConfig):
         },
     )
 
-    # Loss
+    # Parameters that control the distillation loss
     distill_coef: float = field(
         default=1.0, metadata={"help": "Weight of the distillation loss (0 gives the PPO-only baseline)."}
     )
-    ppo_coef: float = field(default=1.0, metadata={"help": "Weight of the PPO loss (0 gives pure distillation)."})
     beta: float = field(
         default=0.5,
         metadata={"help": "Generalized JSD interpolation: 0 = KL(teacher||student), 1 = KL(student||teacher)."},
@@ -410,20 +399,12 @@ class MemOPDConfig(_BaseConfig):
             "choices": ["aligned", "persistent"],
         },
     )
-    sampled_kl_coef: float = field(
-        default=0.0,
-        metadata={
-            "help": "Weight of the sampled-token reverse-KL advantage `log q(a) - log p(a)` (teacher q, rollout "
-            "policy p, sampled token a, at the sampling temperature) added to each token's PPO advantage; 0 = off. "
-            "Needs a teacher and `ppo_coef` > 0."
-        },
-    )
     distill_divergence_threshold: float = field(
         default=0.0,
         metadata={
             "help": "Distill each action only up to its first sampled token whose teacher probability (at the sampling "
             "temperature) is below this value, that token included: after it the teacher continues a prefix it never "
-            "saw. 0 = every token."
+            "saw. 0 = every token. Needs `distill_coef` > 0."
         },
     )
     distill_divergence_scope: str = field(
@@ -439,6 +420,17 @@ class MemOPDConfig(_BaseConfig):
         metadata={
             "help": "Episodes per question the teacher plays beside the student's, distilled on in the teacher's own "
             "states (distillation only, no PPO); 0 = off. Needs `distill_coef` > 0."
+        },
+    )
+
+    # Parameters that control the training
+    ppo_coef: float = field(default=1.0, metadata={"help": "Weight of the PPO loss (0 gives pure distillation)."})
+    sampled_kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the sampled-token reverse-KL advantage `log q(a) - log p(a)` (teacher q, rollout "
+            "policy p, sampled token a, at the sampling temperature) added to each token's PPO advantage; 0 = off. "
+            "Needs a teacher and `ppo_coef` > 0."
         },
     )
     kl_coef: float = field(
@@ -498,7 +490,7 @@ class MemOPDConfig(_BaseConfig):
         metadata={"help": "Optimizer updates made on one rollout batch before sampling a new one (GRPO's name)."},
     )
 
-    # Packing and scoring
+    # Parameters that control packing and scoring
     max_tokens_per_row: int | None = field(
         default=4096,
         metadata={
@@ -519,7 +511,7 @@ class MemOPDConfig(_BaseConfig):
         default=1024, metadata={"help": "Action tokens per chunk when applying LM heads (bounds peak memory)."}
     )
 
-    # Diagnostics
+    # Parameters that control the logging and diagnostics
     distill_diagnostics: bool = field(
         default=True,
         metadata={
@@ -536,42 +528,12 @@ class MemOPDConfig(_BaseConfig):
         },
     )
 
-    # Deprecated names
-    distill_until_divergence: float | None = field(
-        default=None, metadata={"help": "Deprecated: now `distill_divergence_threshold`."}
-    )
-    audit_steps: int | None = field(default=None, metadata={"help": "Deprecated: now `misalignment_audit_steps`."})
-
     def __post_init__(self):
-        self._apply_deprecated_names()
         if self.bf16 is None:
             # TRL's base turns bf16 on by default, which fails on a CPU-only machine; only do so where it is safe.
             self.bf16 = not self.fp16 and torch.cuda.is_available() and not self.use_cpu
         super().__post_init__()
         self._check()
-
-    def _apply_deprecated_names(self) -> None:
-        """Move a value given under a deprecated name to its new name (then clear the old one), with a warning."""
-        for old, new in _RENAMED_FIELDS.items():
-            value = getattr(self, old)
-            if value is None:
-                continue
-            warnings.warn(
-                f"`MemOPDConfig.{old}` is deprecated and will be removed in the next release; use `{new}` instead.",
-                FutureWarning,
-                stacklevel=4,
-            )
-            setattr(self, new, value)
-            setattr(self, old, None)  # `dataclasses.replace` would otherwise apply it again over a new value
-        env_settings = [name for name in _ENV_SETTINGS if getattr(self, name) is not None]
-        if env_settings:
-            warnings.warn(
-                f"`MemOPDConfig` {env_settings} are environment settings: give them to the env factory (e.g. "
-                "`HotpotQAEnv.factory(max_turns=...)`). They still override its settings in this release and will be "
-                "removed in the next.",
-                FutureWarning,
-                stacklevel=4,
-            )
 
     def _check_teacher_server(self):
         """What a teacher on a server can and cannot give, refused here before any model is loaded."""
@@ -660,8 +622,6 @@ class MemOPDConfig(_BaseConfig):
             bad("top_p", "in (0, 1]")
         if self.top_k < 0:
             bad("top_k", ">= 0")
-        if self.max_turns is not None and self.max_turns < 1:
-            bad("max_turns", ">= 1")
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             bad("vllm_gpu_memory_utilization", "in (0, 1]")
         for name in (
@@ -700,10 +660,6 @@ class MemOPDConfig(_BaseConfig):
         }
         if self.teacher_attn_implementation is not None:
             choices["teacher_attn_implementation"] = _ATTN_IMPLEMENTATIONS
-        if self.memory_policy is not None:
-            choices["memory_policy"] = ("compact", "full_history", "persistent")
-        if self.action_format is not None:
-            choices["action_format"] = ("memopd", "mem1")
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 bad(name, f"one of {list(allowed)}")

@@ -16,6 +16,19 @@ from huggingface_hub import ModelCard, ModelCardData
 from .envs.base import ACTION_FORMAT_PRESETS, ActionFormat
 
 
+# The paper the trainer implements (`MemOPDTrainer._paper`): its card cites it.
+PAPER = {
+    "title": "Memory-Aligned On-Policy Distillation for Long-Horizon LLM Memory Agents",
+    "id": "2608.07068",
+    "citation": """\
+@article{memopd2026,
+    title        = {{Memory-Aligned On-Policy Distillation for Long-Horizon LLM Memory Agents}},
+    year         = 2026,
+    eprint       = {arXiv:2608.07068}
+}""",
+}
+
+
 # The training settings the card records, in this order (each a `MemOPDConfig` field).
 CARD_SETTINGS = (
     "distill_coef",

@@ -12,7 +12,8 @@ import inspect
 import logging
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -271,7 +272,7 @@ class RolloutEngine:
 
     ```python
     >>> from memopd_trl import HotpotQAEnv, RolloutEngine
-    >>> from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # the offline lab
+    >>> from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world  # the offline lab
     >>> world = make_synthetic_world(4, seed=0)
     >>> tokenizer = build_tokenizer(world.texts(), vocab_size=600)
     >>> model = build_tiny_model(len(tokenizer), hidden_size=32, num_hidden_layers=1)
@@ -332,7 +333,7 @@ class RolloutEngine:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "The tokenizer has no chat template; set `tokenizer.chat_template` (the offline lab's "
-                "memopd_trl.offline.build_tokenizer makes a ChatML one) before building a RolloutEngine."
+                "offline_lab.build_tokenizer makes a ChatML one) before building a RolloutEngine."
             )
         if not callable(env_factory):
             raise TypeError(f"`env_factory` must be a callable returning a fresh environment, got {env_factory!r}.")
@@ -383,6 +384,18 @@ class RolloutEngine:
         return ids
 
     # ----- one rollout ----------------------------------------------------------------------------------------------
+    @contextmanager
+    def decoding_with(self, model: Any) -> Iterator[None]:
+        """
+        Decode with `model` instead of the engine's own model inside the block: the same weights seen another way, as
+        a trainer gathers or unwraps them for one rollout (ZeRO-3, FSDP2, DDP). The engine's model is back after it.
+        """
+        own, self.model = self.model, model
+        try:
+            yield
+        finally:
+            self.model = own
+
     def rollout(
         self,
         records: list[dict[str, Any]],

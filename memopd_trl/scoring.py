@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers.utils import is_peft_available
+from transformers.utils import is_peft_available, logging
 from trl.trainer.utils import maybe_gather_lm_head_ctx, selective_log_softmax
 
 from .attention import (
@@ -27,6 +27,24 @@ from .attention import (
 )
 from .packing import gather_actions
 from .records import Invocation
+
+
+logger = logging.get_logger(__name__)
+
+
+def attend_over_trees(models: list[torch.nn.Module]) -> bool:
+    """
+    Whether every model of `models` (unwrapped) runs an attention that attends over a tree of invocations
+    (`TREE_ATTENTION_IMPLEMENTATIONS`), as shared-prefix packing needs; when one does not, the rows pack whole
+    invocations instead, which is said once.
+    """
+    trees = all(model.config._attn_implementation in TREE_ATTENTION_IMPLEMENTATIONS for model in models)
+    if not trees:
+        logger.info(
+            "share_prefix: packing whole invocations, because not every scoring model runs one of %s attention.",
+            TREE_ATTENTION_IMPLEMENTATIONS,
+        )
+    return trees
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:

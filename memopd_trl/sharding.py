@@ -26,6 +26,8 @@ from accelerate.utils import DistributedType
 from torch import nn
 from trl.models.utils import prepare_deepspeed, prepare_fsdp
 
+from .packing import split_rows
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
@@ -113,7 +115,8 @@ def all_processes_agree(accelerator: Accelerator, flag: bool) -> bool:
 
 def prepare_frozen_model(model: nn.Module, accelerator: Accelerator) -> nn.Module:
     """
-    Place a frozen model (teacher, reference) for scoring without gradients, sharded as the student is.
+    Freeze a model (teacher, reference: no parameter requires a gradient) and place it for scoring, sharded as the
+    student is.
 
     - FSDP2: each decoder layer (the classes of `model._no_split_modules`, as accelerate wraps the student) is sharded
       on its own, then the whole model through TRL's `prepare_fsdp`, so a forward gathers one layer at a time.
@@ -123,7 +126,7 @@ def prepare_frozen_model(model: nn.Module, accelerator: Accelerator) -> nn.Modul
     Returns:
         `nn.Module`: the model to call (in evaluation mode).
     """
-    model = model.eval()
+    model = model.eval().requires_grad_(False)
     state = accelerator.state
     if state.distributed_type == DistributedType.FSDP:
         from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
@@ -220,6 +223,16 @@ def rows_for_every_process(accelerator: Accelerator, num_rows: int) -> int | Non
         return None
     count = torch.tensor([num_rows], device=accelerator.device)
     return int(accelerator.gather(count).max())
+
+
+def forward_rows(batch: dict, accelerator: Accelerator, pad_token_id: int) -> list[dict]:
+    """
+    The rows of a packed batch, each to be forwarded on its own (`packing.split_rows`): a forward holds at most one
+    row's tokens (`max_tokens_per_row`), so activations stay bounded however large the batch. With sharded weights
+    every process runs as many rows as the process with the most (`rows_for_every_process`). Collective then.
+    """
+    num_rows = rows_for_every_process(accelerator, batch["input_ids"].shape[0])
+    return split_rows(batch, num_rows, pad_token_id)
 
 
 def idle_loss(model: nn.Module, accelerator: Accelerator, pad_token_id: int) -> torch.Tensor:

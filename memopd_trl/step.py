@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .losses import chunked_generalized_jsd, logprobs_at, topk_generalized_jsd
 from .records import Episode, Invocation
 from .scoring import gathered_lm_head
 
@@ -111,6 +112,18 @@ class TeacherScores:
         with gathered_lm_head(self.model, self.vocab_size) as head:
             yield head
 
+    def divergence(self, student_hidden, student_head, index, teacher_head, beta, temperature, chunk_size, **_):
+        """
+        `(n,)`: the generalized JSD between the teacher and the student over the full vocabulary at the action tokens
+        `index` of these scores, from the student's hidden states there and its LM head `(weight, bias)`, and the
+        teacher's LM head (`lm_head()`), chunk by chunk (`losses.chunked_generalized_jsd`).
+        """
+        (weight, bias), (teacher_weight, teacher_bias) = student_head, teacher_head
+        return chunked_generalized_jsd(
+            student_hidden, weight, self.hidden[index], teacher_weight, beta=beta, temperature=temperature,
+            student_bias=bias, teacher_bias=teacher_bias, chunk_size=chunk_size,
+        )  # fmt: skip
+
 
 @dataclass
 class TopKTeacherScores:
@@ -129,6 +142,23 @@ class TopKTeacherScores:
     logprobs: torch.Tensor
     token_ids: torch.Tensor
     sampled_logprobs: torch.Tensor | None = None
+
+    @contextmanager
+    def lm_head(self) -> Iterator[tuple[None, None]]:
+        """No LM head: the scores are the log-probs themselves."""
+        yield None, None
+
+    def divergence(self, student_hidden, student_head, index, teacher_head, beta, temperature, chunk_size, add_tail):
+        """
+        `(n,)`: the generalized JSD on the teacher's top-k support (plus a tail bucket with `add_tail`) at the action
+        tokens `index` of these scores, from the student's hidden states there and its LM head `(weight, bias)`
+        (`losses.topk_generalized_jsd`; `teacher_head` is not needed).
+        """
+        teacher = self.logprobs[index]  # (n, k)
+        student, rest = logprobs_at(
+            student_hidden, *student_head, self.token_ids[index], torch.isfinite(teacher), temperature, chunk_size
+        )  # (n, k), (n,)
+        return topk_generalized_jsd(student, teacher, beta, add_tail, rest)
 
     def __len__(self) -> int:
         return self.logprobs.shape[0]

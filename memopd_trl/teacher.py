@@ -1,6 +1,8 @@
 """
 The teacher of a `MemOPDTrainer`: what turns recorded invocations into teacher scores.
 
+- `Teacher` is what the trainer asks of any teacher: `score` recorded actions, and say whether it `can_play` episodes
+  of its own (`MemOPDConfig.teacher_generations`); one that can is a `PlayingTeacher` and has `play`.
 - `LocalTeacher` is a model loaded in every training process (a whole copy, or sharded as the student is under FSDP2 /
   ZeRO-3). It scores packed rows of invocations and gives its final hidden state at each action position with its LM
   head (`TeacherScores`): full-vocabulary supervision, applied chunk by chunk in the losses. Restricted to its top-k
@@ -14,10 +16,9 @@ The teacher of a `MemOPDTrainer`: what turns recorded invocations into teacher s
 import logging
 import math
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import requests
 import torch
@@ -31,17 +32,49 @@ from .packing import PackedInvocationCollator, rebuilt_sequences
 from .records import Episode, Invocation
 from .rollout import RolloutEngine
 from .scoring import gathered_lm_head, rows_action_hidden_states, sampled_token_logprobs
-from .sharding import gathered_for_generation
+from .sharding import forward_rows, gathered_for_generation
 from .step import TeacherScores, TopKTeacherScores
+from .validation import max_model_length
 
 
 logger = logging.getLogger(__name__)
 
 
+@runtime_checkable
+class Teacher(Protocol):
+    """
+    What a `MemOPDTrainer` asks of a teacher: the scores of recorded actions, and whether it can play episodes of its
+    own (`can_play`; a teacher that can is a [`PlayingTeacher`]).
+    """
+
+    can_play: bool
+
+    def score(
+        self,
+        invocations: list[Invocation],
+        history: str = "aligned",
+        rows: list[dict[str, Any]] | None = None,
+        action_ids: torch.Tensor | None = None,
+    ) -> TeacherScores | TopKTeacherScores:
+        """The teacher's scores of every action of `invocations`, `(N, ...)` in canonical order, in the layout
+        `history` names (`"aligned"` or `"persistent"`)."""
+        ...
+
+
+@runtime_checkable
+class PlayingTeacher(Teacher, Protocol):
+    """A [`Teacher`] that plays episodes too (`MemOPDConfig.teacher_generations`): its weights are in this process."""
+
+    def play(self, records: list[dict[str, Any]], num_generations: int) -> list[Episode]:
+        """`num_generations` sampled episodes per record. Collective when sharded."""
+        ...
+
+
 @dataclass
 class LocalTeacher:
     """
-    A teacher model in the training process, scoring the student's recorded invocations.
+    A teacher model in the training process, scoring the student's recorded invocations (a [`Teacher`]; a
+    [`PlayingTeacher`] when given an `engine`).
 
     Args:
         model (`nn.Module`):
@@ -51,8 +84,9 @@ class LocalTeacher:
         collators (`dict[str, PackedInvocationCollator]`):
             The teacher's packing of invocations by layout: `"aligned"` (each in the state it was sampled in), and
             `"persistent"` (each episode flattened into one growing history) where that layout is scored.
-        forward_rows (`Callable[[dict], list[dict]]`):
-            Splits a packed batch into the rows forwarded one at a time (the trainer's `_forward_rows`).
+        pad_token_id (`int`):
+            The padding token of the shared tokenizer (the packed rows are forwarded one at a time,
+            `sharding.forward_rows`).
         vocab_size (`int`):
             The shared tokenizer's vocabulary size.
         temperature (`float`):
@@ -60,7 +94,8 @@ class LocalTeacher:
         chunk_size (`int`):
             Action tokens per chunk when the LM head is applied.
         engine (`RolloutEngine`, *optional*):
-            The engine the teacher plays its own episodes with (`play`).
+            The engine the teacher plays its own episodes with (`play`), built on the teacher's unwrapped model;
+            without it the teacher cannot play (`can_play` is `False`).
         top_k (`int`, *optional*, defaults to `0`):
             When > 0, `score` gives only the teacher's `top_k` most likely tokens at each action position, at
             `distill_temperature` (`TopKTeacherScores`), as a teacher server would: `MemOPDConfig.loss_top_k`.
@@ -71,7 +106,7 @@ class LocalTeacher:
     model: nn.Module
     accelerator: Accelerator
     collators: dict[str, PackedInvocationCollator]
-    forward_rows: Callable[[dict], list[dict]]
+    pad_token_id: int
     vocab_size: int
     temperature: float
     chunk_size: int
@@ -82,6 +117,11 @@ class LocalTeacher:
 
     def __post_init__(self):
         self.unwrapped = self.accelerator.unwrap_model(self.model)
+
+    @property
+    def can_play(self) -> bool:
+        """Whether it plays episodes of its own: it was given an engine."""
+        return self.engine is not None
 
     @property
     def max_model_length(self) -> int | None:
@@ -111,7 +151,8 @@ class LocalTeacher:
                 The sampled tokens; when given, `sampled_logprobs` holds the teacher's log-prob of each.
         """
         if rows is None or history != "aligned":
-            rows = self.forward_rows(send_to_device(self.collators[history](invocations), self.accelerator.device))
+            packed = send_to_device(self.collators[history](invocations), self.accelerator.device)
+            rows = forward_rows(packed, self.accelerator, self.pad_token_id)
         with torch.no_grad():
             hidden = rows_action_hidden_states(self.unwrapped, rows)  # (N, H_teacher)
             scores = TeacherScores(hidden, self.unwrapped, self.vocab_size)
@@ -137,8 +178,8 @@ class LocalTeacher:
             unwrap_model_for_generation(self.model, self.accelerator) as teacher,  # ZeRO-3: gathered
             gathered_for_generation(teacher),  # FSDP2: gathered
         ):
-            self.engine.model = teacher
-            episodes, _ = self.engine.rollout(records, num_generations=num_generations, greedy=False)
+            with self.engine.decoding_with(teacher):
+                episodes, _ = self.engine.rollout(records, num_generations=num_generations, greedy=False)
         return episodes
 
 
@@ -155,7 +196,8 @@ _PROBE = "Memory: the 1987 Lunar Orbiter <answer>Tyrannosaurus</answer>\n  café
 class ServerTeacher:
     """
     A teacher served by vLLM's OpenAI-compatible server (`vllm serve TEACHER --max-logprobs K`), scoring the student's
-    recorded invocations in the exact states they were sampled in.
+    recorded invocations in the exact states they were sampled in: a [`Teacher`] that cannot play (`can_play` is
+    `False`: its weights are not in this process).
 
     Each invocation is sent as its own token ids, context then action (`history="aligned"`), or each episode's
     flattened history (`"persistent"`), to `/v1/completions` with `prompt_logprobs=top_k` and `max_tokens=1`: the
@@ -195,13 +237,12 @@ class ServerTeacher:
     backoff: float = 1.0
     sequences_per_request: int = 16
     max_concurrent_requests: int = 4
+    can_play = False  # its weights are on the server: it scores, and plays no episode here
     model_name: str = field(init=False)
     max_model_length: int | None = field(init=False, default=None)
     vocab_size: int = field(init=False)
 
     def __post_init__(self):
-        if not self.url or not self.url.strip():
-            raise ValueError("`teacher_model_server_url` is empty: give the teacher server's base URL.")
         self.url = self.url.strip().rstrip("/")
         if self.top_k < 1:
             raise ValueError(f"A teacher server gives its top-k log-probs: `top_k` must be >= 1, got {self.top_k}.")
@@ -378,8 +419,55 @@ class ServerTeacher:
         num_actions = sum(len(inv.output_ids) for inv in invocations)
         return self._score_sequences(sequences, num_actions)
 
-    def play(self, records: list[dict[str, Any]], num_generations: int) -> list[Episode]:
-        raise NotImplementedError(
-            "A teacher on a server does not play episodes here (`teacher_generations`): its weights are not in this "
-            "process."
+
+def build_teacher(
+    args,
+    teacher_model: nn.Module | None,
+    accelerator: Accelerator,
+    processing_class,
+    packing: dict[str, Any],
+    generation: dict[str, Any],
+    audited: bool = False,
+) -> Teacher | None:
+    """
+    The teacher a `MemOPDTrainer` with `args` (a `MemOPDConfig`) scores with: a `ServerTeacher` at
+    `args.teacher_model_server_url` (checked now, before any rollout), or a `LocalTeacher` on `teacher_model`
+    (prepared for this process) with the packing of each layout it scores (`args.teacher_scoring`, and the persistent
+    history too when `audited`, the live alignment audit) and, with `args.teacher_generations > 0`, an engine to play
+    with (`generation`: the `RolloutEngine` settings of the student's). `None` without a teacher.
+    """
+    if args.teacher_model_server_url is not None:
+        teacher = ServerTeacher(
+            args.teacher_model_server_url,
+            processing_class,
+            args.loss_top_k,
+            device=accelerator.device,
+            timeout=args.teacher_server_timeout,
+            max_retries=args.teacher_server_max_retries,
         )
+    elif teacher_model is not None:
+        unwrapped = accelerator.unwrap_model(teacher_model)
+        length = max_model_length(unwrapped)
+        layouts = {args.teacher_scoring} | ({"persistent"} if audited else set())
+        collators = {name: PackedInvocationCollator(max_model_length=length, history=name, **packing) for name in layouts}
+        engine = RolloutEngine(model=unwrapped, **generation) if args.teacher_generations > 0 else None
+        teacher = LocalTeacher(
+            teacher_model,
+            accelerator,
+            collators,
+            packing["pad_token_id"],
+            len(processing_class),
+            args.temperature,
+            args.logit_chunk_size,
+            engine=engine,
+            top_k=args.loss_top_k,
+            distill_temperature=args.distill_temperature,
+        )
+    else:
+        return None
+    if args.teacher_generations > 0 and not teacher.can_play:
+        raise ValueError(
+            f"`teacher_generations` ({args.teacher_generations}) asks the teacher to play episodes, but a "
+            f"{type(teacher).__name__} cannot play: set `teacher_generations=0`."
+        )
+    return teacher

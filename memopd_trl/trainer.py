@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object, send_to_device
+from accelerate.utils import send_to_device
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_callback import TrainerCallback
 from transformers.utils import is_peft_available, logging
 from trl.models.utils import _ForwardRedirection, unwrap_model_for_generation
@@ -54,28 +54,25 @@ from .callbacks import (
 from .config import MemOPDConfig
 from .losses import (
     broadcast_to_tokens,
-    chunked_generalized_jsd,
     distillation_diagnostics,
     final_reward_gae,
     group_normalized_advantages,
     importance_sampling_weights,
     kl_penalty,
-    logprobs_at,
     ppo_clip_loss,
     sampled_kl_advantages,
-    topk_generalized_jsd,
     until_first_divergence,
     value_loss,
 )
-from .model_card import build_model_card, hub_network_errors, hub_unreachable_error
-from .packing import PackedInvocationCollator, split_rows
+from .model_card import PAPER, build_model_card, hub_network_errors, hub_unreachable_error
+from .packing import PackedInvocationCollator
 from .records import Episode, Invocation
 from .rollout import RolloutEngine, RolloutStopped
 from .scoring import (
-    TREE_ATTENTION_IMPLEMENTATIONS,
     action_hidden_states,
     action_logprobs_from_hidden,
     action_token_ids,
+    attend_over_trees,
     gathered_lm_head,
     rows_action_hidden_states,
     sampled_token_logprobs,
@@ -84,49 +81,34 @@ from .sharding import (
     all_processes_agree,
     check_strategy,
     deferred_gradient_sync,
+    forward_rows,
     gathered_for_generation,
     idle_loss,
     is_sharded,
     prepare_frozen_model,
-    rows_for_every_process,
 )
-from .step import LossPiece, Rollout, ScoredBatch, SkippedBatch, TeacherPlay, TopKTeacherScores
-from .teacher import LocalTeacher, ServerTeacher
+from .stats import diagnostics_by_reward, evaluation_metrics, rollout_metrics
+from .step import LossPiece, Rollout, ScoredBatch, SkippedBatch, TeacherPlay, TeacherScores
+from .teacher import build_teacher
 from .validation import (
-    apply_env_overrides,
     as_dataset,
     check_env_and_datasets,
-    check_logit_transforms,
-    check_one_batch_fits,
+    check_inputs,
     check_shared_vocabulary,
-    check_tokenizer,
     check_vllm_support,
-    load_model,
+    load_student,
     load_teacher,
     max_model_length,
     validate_records,
-    warn_low_precision_weights,
 )
 from .vllm_backend import ColocatedVLLM
 
 
 if is_peft_available():
-    from peft import PeftConfig, PeftModel, get_peft_model
+    from peft import PeftConfig, PeftModel
 
 
 logger = logging.get_logger(__name__)
-
-
-_PAPER = {
-    "title": "Memory-Aligned On-Policy Distillation for Long-Horizon LLM Memory Agents",
-    "id": "2608.07068",
-    "citation": """\
-@article{memopd2026,
-    title        = {{Memory-Aligned On-Policy Distillation for Long-Horizon LLM Memory Agents}},
-    year         = 2026,
-    eprint       = {arXiv:2608.07068}
-}""",
-}
 
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -180,7 +162,7 @@ class MemOPDTrainer(_BaseTrainer):
 
     _tag_names = ["trl", "memopd"]
     _name = "MemOPD"
-    _paper = _PAPER
+    _paper = PAPER
 
     def __init__(
         self,
@@ -208,15 +190,7 @@ class MemOPDTrainer(_BaseTrainer):
         train_dataset, eval_dataset = check_env_and_datasets(env_factory, train_dataset, eval_dataset)
 
         # Student and tokenizer
-        if isinstance(model, str):
-            model = load_model(model, args.model_init_kwargs, args.attn_implementation, args)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
-        processing_class = check_tokenizer(processing_class)
-        if peft_config is not None:
-            if not is_peft_available():
-                raise ImportError("`peft_config` was given but peft is not installed: `pip install peft`.")
-            model = get_peft_model(model, peft_config)
+        model, processing_class = load_student(model, processing_class, peft_config, args)
 
         # Teacher, and what the student and it were loaded from (for the model card)
         teacher_model, self._teacher_name, teacher_processing_class = load_teacher(
@@ -226,18 +200,11 @@ class MemOPDTrainer(_BaseTrainer):
         self.vocab_size = len(processing_class)
         check_shared_vocabulary(model, teacher_model, processing_class, teacher_processing_class)
 
-        if args.disable_dropout:
-            disable_dropout_in_model(model)
-            if teacher_model is not None:
-                disable_dropout_in_model(teacher_model)
+        for dropped in (model, teacher_model) if args.disable_dropout else ():
+            if dropped is not None:
+                disable_dropout_in_model(dropped)
 
-        env_factory = apply_env_overrides(env_factory, args)
-        check_one_batch_fits(train_dataset, args)
-        validate_records(env_factory, train_dataset, "train_dataset")
-        if eval_dataset is not None:
-            validate_records(env_factory, eval_dataset, "eval_dataset")
-        check_logit_transforms(model, teacher_model)
-        warn_low_precision_weights(model, args)
+        check_inputs(env_factory, train_dataset, eval_dataset, model, teacher_model, args)
         self.env_factory = env_factory
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._buffers: dict[int, ScoredBatch | SkippedBatch] = {}  # rollout batch of each gradient-accumulation slot
@@ -264,85 +231,43 @@ class MemOPDTrainer(_BaseTrainer):
             nn.init.zeros_(self.value_head.bias)
             # Before the update vote: the gradients are averaged on every process, then dropped by all if it skips.
             self.add_callback(ValueHeadGradients(self.value_head, self.accelerator))
-        self._update_skipper = UpdateSkipper(self)
+        self._update_skipper = UpdateSkipper(self.accelerator, self._record_metric)
         self.add_callback(self._update_skipper)
-        self._preemption = SaveOnSigterm(self)
+        self._preemption = SaveOnSigterm(self.accelerator)
         self.add_callback(self._preemption)
 
-        self.teacher_model = None
-        if teacher_model is not None:
-            teacher_model.requires_grad_(False)
-            # A full copy per process, or sharded as the student is (FSDP2, ZeRO-3).
-            self.teacher_model = prepare_frozen_model(teacher_model, self.accelerator)
+        # A full copy per process, or sharded as the student is (FSDP2, ZeRO-3).
+        self.teacher_model = None if teacher_model is None else prepare_frozen_model(teacher_model, self.accelerator)
 
         self.ref_model = None
         if args.kl_coef > 0 and not _is_peft(self.model):
             self.ref_model = self._load_reference(self.accelerator.unwrap_model(self.model))
 
         self._build_scorers()
-        self._build_engines()
         # PPO corrected for the sampling engine's gap to the student (on by default with vLLM).
         correct = args.importance_sampling_correction
         self.correct_sampling = args.use_vllm if correct is None else correct
 
     def _build_scorers(self) -> None:
-        """The packing of the student's rows, and the teacher (`LocalTeacher`) with its packing of each layout it
-        scores: aligned, and the persistent history (the control, or the live alignment audit)."""
-        args, pad = self.args, self.processing_class.pad_token_id
-        # Shared-prefix packing where every model that scores the student's batch can attend over a tree.
-        scorers = [self.model] + ([self.teacher_model] if self.teacher_model is not None else [])
-        self.share_prefix = args.share_prefix and all(
-            self.accelerator.unwrap_model(m).config._attn_implementation in TREE_ATTENTION_IMPLEMENTATIONS
-            for m in scorers
-        )
-        if args.share_prefix and not self.share_prefix:
-            logger.info(
-                "share_prefix: packing whole invocations, because not every scoring model runs one of %s attention.",
-                TREE_ATTENTION_IMPLEMENTATIONS,
-            )
-        # Each row is forwarded on its own (`_forward_rows`): the budget bounds the tokens of one forward.
-        packing = dict(max_tokens_per_row=args.max_tokens_per_row, pad_token_id=pad, share_prefix=self.share_prefix)
-        self.collator = PackedInvocationCollator(max_model_length=max_model_length(self.model), **packing)
-        self.teacher, self.audit = None, None
-        if args.teacher_scoring == "aligned" and args.misalignment_audit_steps > 0:
-            # The live alignment audit scores the aligned teacher's actions again under the persistent history.
-            self.audit = AlignmentAudit(args.misalignment_audit_steps, self._every_process_has)
-        if args.teacher_model_server_url is not None:  # the teacher on its own server, checked before any rollout
-            self.teacher = ServerTeacher(
-                args.teacher_model_server_url,
-                self.processing_class,
-                args.loss_top_k,
-                device=self.accelerator.device,
-                timeout=args.teacher_server_timeout,
-                max_retries=args.teacher_server_max_retries,
-            )
-            return
-        if self.teacher_model is None:
-            self.audit = None
-            return
-        length = max_model_length(self.accelerator.unwrap_model(self.teacher_model))
-        layouts = {args.teacher_scoring} | ({"persistent"} if self.audit is not None else set())
-        self.teacher = LocalTeacher(
-            self.teacher_model,
-            self.accelerator,
-            {name: PackedInvocationCollator(max_model_length=length, history=name, **packing) for name in layouts},
-            self._forward_rows,
-            self.vocab_size,
-            args.temperature,
-            args.logit_chunk_size,
-            top_k=args.loss_top_k,
-            distill_temperature=args.distill_temperature,
-        )
-
-    def _build_engines(self) -> None:
-        """The student's rollout engine (transformers or vLLM), and the teacher's when it plays episodes too."""
+        """The packing of the student's rows, the student's rollout engine (transformers or vLLM), and the teacher
+        (`teacher.build_teacher`) with its packing of each layout it scores and, when it plays, its own engine."""
         args = self.args
+        # Shared-prefix packing where every model that scores the student's batch can attend over a tree.
+        scorers = [self.accelerator.unwrap_model(m) for m in (self.model, self.teacher_model) if m is not None]
+        self.share_prefix = args.share_prefix and attend_over_trees(scorers)
+        # Each row is forwarded on its own (`_forward_rows`): the budget bounds the tokens of one forward.
+        packing = dict(
+            max_tokens_per_row=args.max_tokens_per_row,
+            pad_token_id=self.processing_class.pad_token_id,
+            share_prefix=self.share_prefix,
+        )
+        self.collator = PackedInvocationCollator(max_model_length=max_model_length(self.model), **packing)
         # With vLLM, TRL's `VLLMGeneration` owns the engine and its weight sync; the rollout engine generates with it.
         self.vllm_generation = None
         if args.use_vllm:
             self.vllm_generation = ColocatedVLLM(self.model, self.accelerator, self.processing_class, args)
-        # Both models generate with whole weights (gathered when sharded: `_play`, `_teacher_play`), so decoding runs
-        # no collective: processes may sample different numbers of tokens and play different numbers of turns.
+        # Both models generate with whole weights (gathered when sharded: `_play`, `LocalTeacher.play`), so decoding
+        # runs no collective: processes may sample different numbers of tokens and play different numbers of turns.
         # (transformers would otherwise sync every decoding step across processes under FSDP / ZeRO-3, and a process
         # whose episodes ended sooner would leave the others waiting.)
         generation = dict(
@@ -356,15 +281,19 @@ class MemOPDTrainer(_BaseTrainer):
             vllm_llm=self.vllm_generation.llm if args.use_vllm else None,
             **generation,
         )
-        if args.teacher_generations > 0:  # the teacher plays episodes too (always with the HF backend)
-            self.teacher.engine = RolloutEngine(model=self.teacher.unwrapped, **generation)
+        # The live alignment audit scores the aligned teacher's actions again under the persistent history.
+        self.audit = None
+        has_teacher = self.teacher_model is not None or args.teacher_model_server_url is not None
+        if has_teacher and args.teacher_scoring == "aligned" and args.misalignment_audit_steps > 0:
+            self.audit = AlignmentAudit(args.misalignment_audit_steps, self._every_process_has)
+        self.teacher = build_teacher(
+            args, self.teacher_model, self.accelerator, self.processing_class, packing, generation, self.audit is not None
+        )
 
     def _load_reference(self, student: PreTrainedModel) -> nn.Module:
         # A copy, not a model rebuilt from the config: under ZeRO-3 transformers builds models from configs partitioned
         # (`zero.Init`), and a partitioned model cannot load a whole state dict. The student is not prepared yet.
-        reference = copy.deepcopy(student)
-        reference.requires_grad_(False)
-        return prepare_frozen_model(reference, self.accelerator)
+        return prepare_frozen_model(copy.deepcopy(student), self.accelerator)
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -405,16 +334,10 @@ class MemOPDTrainer(_BaseTrainer):
         # The questions of one optimizer step (all processes, all gradient-accumulation micro-batches) are yielded
         # `num_iterations` times in a row; each micro-batch is rolled out on its first occurrence and the
         # following updates reuse it (see `_prepare_inputs`).
-        dataset = train_dataset if train_dataset is not None else self.train_dataset
-        args = self.args
-        return RepeatSampler(
-            data_source=dataset,
-            mini_repeat_count=1,
-            batch_size=args.per_device_train_batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
-            repeat_count=self.args.num_iterations,
-            shuffle=True,
-            seed=self.args.seed,
-        )
+        args, dataset = self.args, train_dataset if train_dataset is not None else self.train_dataset
+        batch_size = args.per_device_train_batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps
+        return RepeatSampler(dataset, mini_repeat_count=1, batch_size=batch_size, repeat_count=args.num_iterations,
+                             shuffle=True, seed=args.seed)  # fmt: skip
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model) if model is not None else super().create_optimizer()
@@ -530,13 +453,9 @@ class MemOPDTrainer(_BaseTrainer):
         batch.sampling_logprobs = batch.old_logprobs
         batch.old_logprobs = self._sampled_logprobs(self.accelerator.unwrap_model(self.model), batch)
         batch.sampling_weights = importance_sampling_weights(
-            batch.old_logprobs,
-            batch.sampling_logprobs,
-            batch.sequence_ids,
-            mode=args.importance_sampling_mode,
-            clip_min=args.importance_sampling_clip_min,
-            clip_max=args.importance_sampling_clip_max,
-        )  # (N,)
+            batch.old_logprobs, batch.sampling_logprobs, batch.sequence_ids, mode=args.importance_sampling_mode,
+            clip_min=args.importance_sampling_clip_min, clip_max=args.importance_sampling_clip_max,
+        )  # (N,)  # fmt: skip
         for name, value in batch.sampling_metrics().items():
             self._metrics["train"][name].append(value)
 
@@ -583,29 +502,22 @@ class MemOPDTrainer(_BaseTrainer):
         invocations then these packed together for the student's forwards. `None` when no episode reached a model
         call. Collective.
         """
-        args, device = self.args, self.accelerator.device
-        start = time.perf_counter()
-        episodes = self.teacher.play(records, args.teacher_generations)
+        start, device = time.perf_counter(), self.accelerator.device
+        episodes = self.teacher.play(records, self.args.teacher_generations)
         invocations = [inv for ep in episodes for inv in ep.invocations]
-        metrics = self._metrics["train"]
         f1 = torch.tensor([sum(ep.f1 for ep in episodes) / max(len(episodes), 1)], device=device)
-        metrics["teacher_play/f1"].append(self.accelerator.gather(f1).mean().item())
+        self._record_metric("teacher_play/f1", self.accelerator.gather(f1).mean().item())
         play = None
         if self._every_process_has(bool(invocations)):
-            scores = self.teacher.score(invocations, args.teacher_scoring)  # (N_play, ...)
+            scores = self.teacher.score(invocations, self.args.teacher_scoring)  # (N_play, ...)
             joint_rows = self._forward_rows(send_to_device(self.collator(rollout_invocations + invocations), device))
             play = TeacherPlay(invocations, scores, joint_rows)
-        metrics["time/teacher_play"].append(time.perf_counter() - start)
+        self._record_metric("time/teacher_play", time.perf_counter() - start)
         return play
 
     def _forward_rows(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """
-        The rows of a packed batch, each forwarded on its own (`split_rows`): a forward holds at most one row's tokens
-        (`max_tokens_per_row`), so activations stay bounded however large the batch. With sharded weights every
-        process runs as many rows as the process with the most (`rows_for_every_process`). Collective then.
-        """
-        num_rows = rows_for_every_process(self.accelerator, batch["input_ids"].shape[0])
-        return split_rows(batch, num_rows, self.processing_class.pad_token_id)
+        """The rows of a packed batch, each forwarded on its own (`sharding.forward_rows`). Collective when sharded."""
+        return forward_rows(batch, self.accelerator, self.processing_class.pad_token_id)
 
     def _every_process_has(self, flag: bool) -> bool:
         """
@@ -648,16 +560,11 @@ class MemOPDTrainer(_BaseTrainer):
             gathered_for_generation(unwrapped),  # FSDP2: decoding on shards would make every token collective
         ):
             if is_sharded(self.accelerator):  # the cost of gathering the student for this rollout
-                self._metrics["train" if not greedy else "eval"]["time/rollout_gather"].append(
-                    time.perf_counter() - start
-                )
+                self._metrics["eval" if greedy else "train"]["time/rollout_gather"].append(time.perf_counter() - start)
             was_training = unwrapped.training
-            unwrapped.eval()
-            self.rollout_engine.model = unwrapped
             try:
-                return self.rollout_engine.rollout(
-                    records, num_generations=num_generations, greedy=greedy, should_stop=should_stop
-                )
+                with self.rollout_engine.decoding_with(unwrapped.eval()):
+                    return self.rollout_engine.rollout(records, num_generations, greedy, should_stop=should_stop)
             finally:
                 unwrapped.train(was_training)
 
@@ -806,22 +713,12 @@ class MemOPDTrainer(_BaseTrainer):
         """
         args, sums = self.args, self._loss_sums
         weight, bias = student_head
-        top_k = isinstance(batch.teacher, TopKTeacherScores)
-        with nullcontext((None, None)) if top_k else batch.teacher.lm_head() as (teacher_weight, teacher_bias):
+        settings = dict(beta=args.beta, temperature=args.distill_temperature, chunk_size=args.logit_chunk_size,
+                        add_tail=args.loss_add_tail)  # fmt: skip
+        with batch.teacher.lm_head() as teacher_head:
 
             def divergence(student_hidden, scores, index):  # (n,) on the tokens `index` of `scores`
-                if top_k:
-                    teacher = scores.logprobs[index]  # (n, k)
-                    student, rest = logprobs_at(
-                        student_hidden, weight, bias, scores.token_ids[index], torch.isfinite(teacher),
-                        args.distill_temperature, args.logit_chunk_size,
-                    )  # fmt: skip
-                    return topk_generalized_jsd(student, teacher, args.beta, args.loss_add_tail, rest)
-                return chunked_generalized_jsd(
-                    student_hidden, weight, scores.hidden[index], teacher_weight, beta=args.beta,
-                    temperature=args.distill_temperature, student_bias=bias, teacher_bias=teacher_bias,
-                    chunk_size=args.logit_chunk_size,
-                )  # fmt: skip
+                return scores.divergence(student_hidden, student_head, index, teacher_head, **settings)
 
             term = hidden.new_zeros(())
             if args.distill_coef > 0:
@@ -836,16 +733,12 @@ class MemOPDTrainer(_BaseTrainer):
                 distill = distill * (distilled.numel() / max(counts["distilled"], 1))
                 term = args.distill_coef * distill
                 sums["loss/distill"] += distill.item()
-            if args.distill_diagnostics and len(actions) and not top_k:
+            if args.distill_diagnostics and len(actions) and isinstance(batch.teacher, TeacherScores):
                 diagnostics = distillation_diagnostics(
-                    hidden.detach(),
-                    weight.detach(),
-                    batch.teacher.hidden[actions],
-                    teacher_weight,
-                    student_bias=None if bias is None else bias.detach(),
-                    teacher_bias=teacher_bias,
+                    hidden.detach(), weight.detach(), batch.teacher.hidden[actions], teacher_head[0],
+                    student_bias=None if bias is None else bias.detach(), teacher_bias=teacher_head[1],
                     chunk_size=args.logit_chunk_size,
-                )  # each (n,)
+                )  # fmt: skip  (each (n,))
                 self._diagnostics.append((diagnostics, batch.rewarded[actions]))
         return term
 
@@ -865,15 +758,13 @@ class MemOPDTrainer(_BaseTrainer):
 
     def _log_rollout(self, rollout: Rollout, batch: ScoredBatch | SkippedBatch) -> None:
         """Record the statistics of one rollout (and of its packed batch) for the next `log`. Collective."""
-        metrics = self._metrics["train"]
-        names, table = episode_table(rollout.episodes, self.accelerator.device)
-        gathered = self.accelerator.gather(table)  # (num_episodes of all processes, len(names))
-        for i, name in enumerate(names):
-            metrics[name].append(gathered[:, i].mean().item())
-        metrics["reward_std"].append(gathered[:, 0].std().item() if len(gathered) > 1 else 0.0)
         packed = batch.packed if isinstance(batch, ScoredBatch) else None
-        for name, value in rollout.metrics(packed).items():
-            metrics[name].append(value)
+        for name, value in rollout_metrics(rollout, packed, self.accelerator).items():
+            self._record_metric(name, value)
+
+    def _record_metric(self, name: str, value: float) -> None:
+        """Add a training metric's value to those the next `log` averages."""
+        self._metrics["train"][name].append(value)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
@@ -961,20 +852,12 @@ class MemOPDTrainer(_BaseTrainer):
             return
         target = output_dir or self.args.output_dir
         tags = {tags} if isinstance(tags, str) else set(tags or ())
-        tags.update(self._tag_names)
         card = build_model_card(
-            model_name=model_name or Path(target).name,
-            model_path=self.hub_model_id or str(target),
-            student_name=self._student_name,
-            teacher_name=self._teacher_name,
-            args=self.args,
-            env=self.env_factory(),
-            trainer_name=self._name,
-            paper=self._paper,
-            tags=sorted(tags),
-            dataset_name=dataset_name,
-            global_step=self.state.global_step,
-        )
+            model_name=model_name or Path(target).name, model_path=self.hub_model_id or str(target),
+            student_name=self._student_name, teacher_name=self._teacher_name, args=self.args, env=self.env_factory(),
+            trainer_name=self._name, paper=self._paper, tags=sorted(tags | set(self._tag_names)),
+            dataset_name=dataset_name, global_step=self.state.global_step,
+        )  # fmt: skip
         os.makedirs(target, exist_ok=True)
         card.save(os.path.join(target, "README.md"))
 
@@ -1013,64 +896,3 @@ class MemOPDTrainer(_BaseTrainer):
 
 def _is_peft(model) -> bool:
     return is_peft_available() and isinstance(model, PeftModel)
-
-
-def episode_table(episodes: list[Episode], device: torch.device) -> tuple[list[str], torch.Tensor]:
-    """
-    The statistics of `episodes`, one row each, `(num_episodes, len(names))` on this process, and their names:
-    `reward`, the environment's metrics (`Episode.metrics`, e.g. `f1`, `em`, in name order), `turns`,
-    `malformed_actions`, `failed_episodes`.
-
-    Collective: every process calls it, with any number of episodes (even none), and gets the same names.
-    """
-    local_names = sorted({name for ep in episodes for name in ep.metrics})
-    metric_names = sorted(set().union(*gather_object([local_names])))
-    names = ["reward", *metric_names, "turns", "malformed_actions", "failed_episodes"]
-    rows = [
-        [ep.reward, *(ep.metrics.get(name, 0.0) for name in metric_names), ep.num_turns, ep.num_malformed]
-        + [float(ep.failed)]
-        for ep in episodes
-    ]
-    table = torch.tensor(rows, dtype=torch.float32, device=device).reshape(-1, len(names))
-    return names, table
-
-
-def diagnostics_by_reward(rows: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> dict[str, float]:
-    """
-    `distill/{name}` over the action tokens of every row (each a dict of per-token diagnostics, and whether each
-    token's episode was rewarded), and `distill/{name}_rewarded` / `_unrewarded` over those of rewarded / unrewarded
-    episodes.
-    """
-    diagnostics = {name: torch.cat([values[name] for values, _ in rows]) for name in rows[0][0]}
-    rewarded = torch.cat([rewarded for _, rewarded in rows])
-    logged = {}
-    for suffix, tokens in (("", slice(None)), ("_rewarded", rewarded), ("_unrewarded", ~rewarded)):
-        for name, values in diagnostics.items():
-            if values[tokens].numel():
-                logged[f"distill/{name}{suffix}"] = values[tokens].mean().item()
-    return logged
-
-
-def evaluation_metrics(episodes: list[Episode], accelerator, prefix: str) -> dict[str, float]:
-    """
-    The means over every process's `episodes` of their statistics (`episode_table`), and the number of episodes and
-    of failed ones, as `{prefix}_{name}`. A `RuntimeError` naming the first error when every episode failed (nothing
-    was scored). Collective.
-    """
-    names, table = episode_table(episodes, accelerator.device)
-    # Sums and counts (same shape on every process, whatever the number of records each one played): the statistics
-    # without `failed_episodes`, then the number of episodes, then the number of failed ones.
-    local = torch.cat([table[:, :-1], torch.ones_like(table[:, :1]), table[:, -1:]], dim=1).sum(0)
-    totals = accelerator.reduce(local, reduction="sum")
-    count, failed = totals[-2].item(), totals[-1].item()
-    if count > 0 and failed == count:  # on every process alike: the totals are reduced
-        errors = [ep.info.get("error") or ep.info.get("end_reason") for ep in episodes if ep.failed]
-        raise RuntimeError(
-            f"`evaluate()` scored no episode: all {int(count)} episodes failed, so there is no {prefix} score to "
-            "report." + (f" The first error on this process: {errors[0]}." if errors else "")
-            + " See the warnings of the `memopd_trl.rollout` logger for each one."
-        )
-    metrics = {f"{prefix}_{name}": totals[i].item() / max(1.0, count) for i, name in enumerate(names[:-1])}
-    metrics[f"{prefix}_num_episodes"] = count
-    metrics[f"{prefix}_num_failed_episodes"] = failed
-    return metrics

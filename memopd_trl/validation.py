@@ -4,7 +4,6 @@ schema), the models and their tokenizer. Every problem found here is an error th
 do, raised before any model call.
 """
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +12,7 @@ import torch
 from datasets import Dataset
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.utils import logging
+from transformers.utils import is_peft_available, logging
 from trl.import_utils import is_vllm_available
 from trl.trainer.utils import create_model_from_path
 
@@ -33,6 +32,36 @@ def load_model(name: str, init_kwargs: dict | None, attn_implementation: str, ar
     if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED", "FSDP"]:
         kwargs["device_map"] = None
     return create_model_from_path(name, **kwargs)
+
+
+def load_student(
+    model: "str | PreTrainedModel", processing_class: PreTrainedTokenizerBase | None, peft_config, args: MemOPDConfig
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The student (loaded when given by name, wrapped with `peft_config` when given) and its checked tokenizer
+    (loaded from the student's name when not given)."""
+    model_id = model if isinstance(model, str) else model.config._name_or_path
+    if isinstance(model, str):
+        model = load_model(model, args.model_init_kwargs, args.attn_implementation, args)
+    if processing_class is None:
+        processing_class = AutoTokenizer.from_pretrained(model_id, trust_remote_code=args.trust_remote_code)
+    if peft_config is not None:
+        if not is_peft_available():
+            raise ImportError("`peft_config` was given but peft is not installed: `pip install peft`.")
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    return model, check_tokenizer(processing_class)
+
+
+def check_inputs(env_factory, train_dataset, eval_dataset, model, teacher_model, args: MemOPDConfig) -> None:
+    """What the trainer checks of its inputs once the models are loaded: one batch fits the records, every record is
+    valid for the environment, the models apply no logit transform, and the trained weights' precision."""
+    check_one_batch_fits(train_dataset, args)
+    validate_records(env_factory, train_dataset, "train_dataset")
+    if eval_dataset is not None:
+        validate_records(env_factory, eval_dataset, "eval_dataset")
+    check_logit_transforms(model, teacher_model)
+    warn_low_precision_weights(model, args)
 
 
 def check_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -172,24 +201,6 @@ def check_vllm_support(args: MemOPDConfig) -> None:
             f"`use_vllm=True` needs an NVIDIA GPU (CUDA), but {reason}. Set `use_vllm=False` to generate with "
             "transformers."
         )
-
-
-def apply_env_overrides(env_factory: Callable[[], Any], args: MemOPDConfig) -> Callable[[], Any]:
-    """The env factory with the config's `memory_policy` / `action_format` / `max_turns` when they are set."""
-    overrides = {
-        name: getattr(args, name)
-        for name in ("memory_policy", "action_format", "max_turns")
-        if getattr(args, name) is not None
-    }
-    if not overrides:
-        return env_factory
-    if not isinstance(env_factory, functools.partial):
-        raise ValueError(
-            f"The config sets {sorted(overrides)}, but `env_factory` is a plain callable the trainer cannot rebuild. "
-            "Set these on the environment itself, or pass `YourEnv.factory(...)` or "
-            "`functools.partial(YourEnv, ...)`, whose arguments the trainer can change."
-        )
-    return functools.partial(env_factory.func, *env_factory.args, **{**env_factory.keywords, **overrides})
 
 
 def check_logit_transforms(*models) -> None:

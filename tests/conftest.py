@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memopd_trl.envs.hotpot import HotpotQAEnv
-from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world
+from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world
 
 
 HOTPOT_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
@@ -32,6 +32,14 @@ TOKENIZER_TEXTS = [
     "The Rhine flows from the Swiss Alps to the North Sea through Germany and the Netherlands.",
     "no answer yes the a an of in on to from by with and or",
 ] * 4
+
+
+@pytest.fixture(scope="session")
+def hotpot():
+    """The main job, `examples/hotpot.py`, as a module (`examples/` is on pytest's `pythonpath`)."""
+    import hotpot
+
+    return hotpot
 
 
 @pytest.fixture(scope="session")

@@ -24,11 +24,12 @@ from transformers import TrainerCallback
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
 from conftest import TOKENIZER_TEXTS  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
+from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
 MAX_STEPS = 4

@@ -1,12 +1,16 @@
 """MemOPDConfig's command line: the help of the fields it redefines says what they do here."""
 
-import dataclasses
-import warnings
+import re
 
-import pytest
 from transformers import HfArgumentParser
 
 from memopd_trl import MemOPDConfig
+
+
+_TRAINING_ARGUMENTS_OVERRIDES = (
+    "learning_rate", "logging_steps", "gradient_checkpointing", "remove_unused_columns", "per_device_train_batch_size",
+    "bf16",
+)  # fmt: skip
 
 
 def test_bf16_help_says_it_is_on_only_with_a_cuda_gpu():
@@ -26,32 +30,13 @@ def test_new_fields_have_help_matching_their_defaults():
         assert action.default == default and action.help, flag
 
 
-@pytest.mark.parametrize(
-    "old, new, value",
-    [
-        ("distill_until_divergence", "distill_divergence_threshold", 0.2),
-        ("audit_steps", "misalignment_audit_steps", 3),
-    ],
-)
-def test_a_renamed_field_still_works_for_one_release_with_a_warning(old, new, value):
-    with pytest.warns(FutureWarning, match=f"`MemOPDConfig.{old}` is deprecated.*use `{new}`"):
-        config = MemOPDConfig(output_dir="out", use_cpu=True, **{old: value})
-    assert getattr(config, new) == value and getattr(config, old) is None
-    # The old name is cleared once moved: `replace` with the new name must not bring the old value back.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        replaced = dataclasses.replace(config, **{new: 0})
-    assert getattr(replaced, new) == 0
-    # From the command line too.
-    (parsed,) = HfArgumentParser(MemOPDConfig).parse_args_into_dataclasses(
-        ["--output_dir", "out", "--use_cpu", "true", f"--{old}", str(value)]
-    )
-    assert getattr(parsed, new) == value
 
-
-def test_environment_settings_in_the_config_are_deprecated():
-    with pytest.warns(FutureWarning, match=r"\['max_turns'\] are environment settings"):
-        MemOPDConfig(output_dir="out", use_cpu=True, max_turns=3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        MemOPDConfig(output_dir="out", use_cpu=True)  # nothing deprecated set: no warning
+def test_every_field_is_documented_once_in_field_order_under_a_heading():
+    own = [name for name in MemOPDConfig.__annotations__ if name not in _TRAINING_ARGUMENTS_OVERRIDES]
+    doc = MemOPDConfig.__doc__.split("Parameters:")[1].split("> [!NOTE]")[0]
+    documented = re.findall(r"^        (\w+) \(", doc, flags=re.MULTILINE)
+    assert documented == own, "the docstring lists the fields in the class's order, each once"
+    headings = re.findall(r"^        > Parameters that control .+$", doc, flags=re.MULTILINE)
+    assert doc.lstrip().startswith("> Parameters that control") and len(headings) >= 2
+    for name in _TRAINING_ARGUMENTS_OVERRIDES:  # TRL lists the defaults it overrides in a note
+        assert f"> - `{name}`:" in MemOPDConfig.__doc__, name

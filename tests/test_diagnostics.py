@@ -1,11 +1,12 @@
-"""memopd_trl.offline.diagnostics: the teacher takeover measure and expert labels of student-visited states."""
+"""offline_lab.diagnostics: the teacher takeover measure and expert labels of student-visited states."""
 
 import pytest
 import torch
 from test_rollout import CORPUS, RECORDS, factory, rescored_logprobs
 
 from memopd_trl.envs.multi import multi_objective_max_turns
-from memopd_trl.offline import (
+from memopd_trl.rollout import RolloutEngine
+from offline_lab import (
     OfflineConfig,
     SyntheticExpert,
     build_tiny_model,
@@ -15,8 +16,7 @@ from memopd_trl.offline import (
     make_offline_world,
     prepare_offline_models,
 )
-from memopd_trl.offline.diagnostics import _scores, expert_labels, takeover_rollout, teacher_takeover
-from memopd_trl.rollout import RolloutEngine
+from offline_lab.diagnostics import _scores, expert_labels, takeover_rollout, teacher_takeover
 
 
 # Tiny real models of a two-question world: a teacher imitating the full expert, a start imitating a forgetful one.

@@ -1,6 +1,5 @@
 """The main job, examples/hotpot.py: the smoke run end to end, --help, CLI errors, and real mode on local checkpoints."""
 
-import importlib.util
 import json
 import os
 import socket
@@ -13,20 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from memopd_trl.offline import build_tiny_model
+import offline_lab
+from offline_lab import build_tiny_model
 
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hotpot.py"
 SMOKE = ["--config", str(ROOT / "examples" / "smoke.yaml"), "--report_to", "none"]
 
-
-@pytest.fixture(scope="module")
-def hotpot():
-    spec = importlib.util.spec_from_file_location("hotpot_example", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run_script(*args: str) -> subprocess.CompletedProcess:
@@ -118,14 +111,14 @@ def test_a_missing_dataset_file_says_so_whatever_other_flags(hotpot, tmp_path, e
 def test_cpu_threads_default_to_the_cores_shared_among_local_processes(hotpot, monkeypatch):
     before = torch.get_num_threads()
     try:
-        assert hotpot.set_cpu_threads(1) == 1
+        assert offline_lab.set_cpu_threads(1) == 1
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
         cores = len(os.sched_getaffinity(0))
-        assert hotpot.set_cpu_threads(None) == cores
+        assert offline_lab.set_cpu_threads(None) == cores
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
-        assert hotpot.set_cpu_threads(None) == 1
+        assert offline_lab.set_cpu_threads(None) == 1
         with pytest.raises(ValueError, match="--cpu_threads"):
-            hotpot.set_cpu_threads(0)
+            offline_lab.set_cpu_threads(0)
     finally:
         torch.set_num_threads(before)
 
@@ -161,7 +154,7 @@ def test_ppo_arm_runs_under_a_distillation_recipe(hotpot, tmp_path):
 def test_an_arm_the_settings_break_fails_before_the_set_up(hotpot, tmp_path, monkeypatch):
     # An arm whose overrides clash with the given settings (here a PPO arm that keeps the teacher episodes) stops
     # with the arm's name before any model is built.
-    monkeypatch.setitem(hotpot.ARMS, "ppo", {"distill_coef": 0.0, "teacher_model_name_or_path": None})
+    monkeypatch.setitem(offline_lab.ARMS, "ppo", {"distill_coef": 0.0, "teacher_model_name_or_path": None})
     with pytest.raises(SystemExit, match="arm ppo: .*teacher_generations"):
         hotpot.main([*SMOKE, "--teacher_generations", "1", "--output_dir", str(tmp_path)])
     assert not (tmp_path / "teacher").exists()

@@ -2,7 +2,6 @@
 signal to a real subprocess), and after a teacher server that failed mid-run and came back. Either way the final
 weights equal an uninterrupted run's."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -16,21 +15,14 @@ from safetensors.torch import load_file
 from teacher_server import serve_teacher
 from transformers import TrainerCallback
 
-from memopd_trl.offline import build_tiny_model, make_synthetic_world
 from memopd_trl.teacher import TeacherServerError
+from offline_lab import build_tiny_model, make_synthetic_world
 
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hotpot.py"
 SMOKE = ["--config", str(ROOT / "examples" / "smoke.yaml"), "--report_to", "none", "--disable_tqdm", "true"]
 
-
-@pytest.fixture(scope="module")
-def hotpot():
-    spec = importlib.util.spec_from_file_location("hotpot_resume_example", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def recording_first_steps(hotpot, monkeypatch) -> list[int]:

@@ -7,7 +7,7 @@ from memopd_trl.envs.base import ActionFormat, parse_action
 from memopd_trl.envs.hotpot import HotpotQAEnv
 from memopd_trl.envs.multi import make_multi_objective_tasks, multi_objective_max_turns
 from memopd_trl.envs.retrieval import BM25Retriever
-from memopd_trl.offline.expert import (
+from offline_lab.expert import (
     MEMORY_MODES,
     NO_FACTS_MEMORY,
     SyntheticExpert,
@@ -15,7 +15,7 @@ from memopd_trl.offline.expert import (
     make_mistake,
     play_episode,
 )
-from memopd_trl.offline.world import make_synthetic_world, parse_question
+from offline_lab.world import make_synthetic_world, parse_question
 
 
 @pytest.fixture(scope="module")

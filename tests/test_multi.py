@@ -12,7 +12,7 @@ from memopd_trl.envs.multi import (
     parse_sub_questions,
 )
 from memopd_trl.envs.retrieval import corpus_from_records
-from memopd_trl.offline import expert_trajectories, make_synthetic_world, play_episode
+from offline_lab import expert_trajectories, make_synthetic_world, play_episode
 
 
 FMT = ActionFormat()

@@ -1,4 +1,4 @@
-"""memopd_trl.offline.setup: the offline world, its tokenizer, and the cached tiny teacher and student start."""
+"""offline_lab.setup: the offline world, its tokenizer, and the cached tiny teacher and student start."""
 
 import copy
 import dataclasses
@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from memopd_trl import MemOPDConfig, MemOPDTrainer
 from memopd_trl.envs.multi import multi_objective_max_turns
-from memopd_trl.offline import (
+from offline_lab import (
     NAME_SYLLABLES,
     RECIPE_VERSION,
     OfflineConfig,
@@ -23,7 +23,7 @@ from memopd_trl.offline import (
     make_offline_world,
     prepare_offline_models,
 )
-from memopd_trl.offline.setup import offline_recipes
+from offline_lab.setup import offline_recipes
 
 
 TINY = dict(
@@ -300,7 +300,7 @@ def test_a_changed_student_recipe_reuses_the_cached_shared_pretraining_and_train
 
 
 def test_a_student_from_the_teacher_starts_from_its_weights_and_rebuilds_with_it(tmp_path, monkeypatch):
-    import memopd_trl.offline.setup as offline
+    import offline_lab.setup as offline
 
     starts = {}
     train = offline.train_tiny_agent
@@ -325,8 +325,8 @@ def test_a_student_from_the_teacher_starts_from_its_weights_and_rebuilds_with_it
 
 
 def test_imitation_keeps_the_weights_of_its_best_scored_checkpoint(make_tiny_model, tiny_tokenizer):
-    from memopd_trl.offline import imitation_train
     from memopd_trl.records import Invocation
+    from offline_lab import imitation_train
 
     generator = torch.Generator().manual_seed(0)
     data = [
@@ -378,7 +378,7 @@ def test_a_teacher_for_both_layouts_imitates_the_expert_under_the_full_history_t
 
 
 def test_a_base_model_starts_both_models_with_its_own_tokenizer_and_no_warm_up(built, tmp_path, monkeypatch):
-    import memopd_trl.offline.setup as offline
+    import offline_lab.setup as offline
 
     config, world, out, _ = built
     base = out / "teacher"  # stands in for a pretrained checkpoint: weights, tokenizer and chat template

@@ -729,7 +729,7 @@ def test_remote_code_is_off_and_weights_load_as_safetensors_by_default(
         return tiny_tokenizer
 
     monkeypatch.setattr("memopd_trl.validation.create_model_from_path", fake_model)  # TRL's loader
-    monkeypatch.setattr("memopd_trl.trainer.AutoTokenizer.from_pretrained", fake_tokenizer)
+    monkeypatch.setattr("memopd_trl.validation.AutoTokenizer.from_pretrained", fake_tokenizer)
     MemOPDTrainer(
         model="org/student", teacher_model="org/teacher", args=args, train_dataset=RECORDS,
         env_factory=HotpotQAEnv.factory(corpus=CORPUS),

@@ -1,11 +1,11 @@
-"""memopd_trl.offline.report: the summary over seeds, the markdown table, results.json and the F1 plot."""
+"""offline_lab.report: the summary over seeds, the markdown table, results.json and the F1 plot."""
 
 import json
 import statistics
 
 import pytest
 
-from memopd_trl.offline.report import (
+from offline_lab.report import (
     eval_curve,
     format_table,
     misalignment_curve,

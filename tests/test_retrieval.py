@@ -1,7 +1,7 @@
 import pytest
 
 from memopd_trl.envs.retrieval import BM25Retriever, corpus_from_records
-from memopd_trl.offline import make_synthetic_world
+from offline_lab import make_synthetic_world
 
 
 CORPUS = [

@@ -10,9 +10,9 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LogitsProces
 
 from memopd_trl.envs.base import MemoryAgentEnv
 from memopd_trl.metrics import exact_match, qa_f1
-from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world
 from memopd_trl.rollout import GeneratedAction, RolloutEngine, _StopOnText, find_stop
 from memopd_trl.vllm_backend import VLLMBackend
+from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world
 
 
 CORPUS = {

@@ -13,7 +13,6 @@ from transformers.integrations.flex_attention import WrappedFlexAttention
 
 from memopd_trl import scoring
 from memopd_trl.attention import VARLEN_SDPA, register_varlen_attention, varlen_sdpa_attention
-from memopd_trl.offline import build_tiny_model
 from memopd_trl.packing import PackedInvocationCollator, PaddedInvocationCollator, gather_actions
 from memopd_trl.records import Invocation
 from memopd_trl.scoring import (
@@ -26,6 +25,7 @@ from memopd_trl.scoring import (
     lm_head_params,
     packed_hidden_states,
 )
+from offline_lab import build_tiny_model
 
 
 VOCAB = 256

@@ -12,8 +12,8 @@ import torch
 from accelerate.utils import DistributedType
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
-from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world
 from memopd_trl.sharding import check_strategy, requested_strategy
+from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world
 
 
 pytestmark = pytest.mark.subprocess  # starts other processes: deselect with -m "not subprocess"

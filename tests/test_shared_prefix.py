@@ -14,7 +14,6 @@ from transformers.masking_utils import (
 
 from memopd_trl import attention, scoring
 from memopd_trl.attention import TREE_ATTENTION_IMPLEMENTATIONS, VARLEN_SDPA, tree_attention_mask
-from memopd_trl.offline import build_tiny_model
 from memopd_trl.packing import (
     PackedInvocationCollator,
     PaddedInvocationCollator,
@@ -25,6 +24,7 @@ from memopd_trl.packing import (
 )
 from memopd_trl.records import Invocation
 from memopd_trl.scoring import action_log_distributions, action_logprobs, full_logits_action_logprobs
+from offline_lab import build_tiny_model
 
 
 VOCAB = 256

@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 
 from memopd_trl.envs.data import validate_record
-from memopd_trl.offline.world import (
+from offline_lab.world import (
     LOOKUP_ANSWER_FIELD,
     LOOKUP_TEMPLATES,
     NAME_SYLLABLES,

@@ -15,9 +15,9 @@ from transformers import TrainerCallback
 
 from memopd_trl import MemOPDConfig, MemOPDTrainer, RolloutEngine
 from memopd_trl.callbacks import last_complete_checkpoint
-from memopd_trl.offline import build_tokenizer
 from memopd_trl.packing import rebuilt_sequences
-from memopd_trl.teacher import LocalTeacher, ServerTeacher, TeacherServerError
+from memopd_trl.teacher import LocalTeacher, PlayingTeacher, ServerTeacher, Teacher, TeacherServerError
+from offline_lab import build_tokenizer
 
 
 K = 8
@@ -49,12 +49,12 @@ def free_port() -> int:
 def local_topk(teacher_model, tiny_tokenizer, invocations, history, k):
     from accelerate import Accelerator
 
-    from memopd_trl.packing import PackedInvocationCollator, split_rows
+    from memopd_trl.packing import PackedInvocationCollator
 
     pad = tiny_tokenizer.pad_token_id
     collator = PackedInvocationCollator(max_model_length=4096, history=history, pad_token_id=pad)
     teacher = LocalTeacher(
-        teacher_model, Accelerator(cpu=True), {history: collator}, lambda packed: split_rows(packed, pad_token_id=pad),
+        teacher_model, Accelerator(cpu=True), {history: collator}, pad,
         len(tiny_tokenizer), 1.0, 1024, top_k=k,
     )  # fmt: skip
     action_ids = torch.tensor([t for inv in invocations for t in inv.output_ids])
@@ -140,6 +140,39 @@ def test_two_steps_with_the_server_teacher_equal_the_local_teacher_top_k(
 
 
 # -- checks at start ---------------------------------------------------------------------------------------------------
+
+
+def test_each_teacher_says_what_it_can_do(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer, teacher_model):
+    """One `Teacher` protocol: every teacher scores; only one whose weights are here, with an engine, plays."""
+    with serve_teacher(teacher_model, tiny_tokenizer) as (_, url):
+        served = ServerTeacher(url, tiny_tokenizer, K)
+    assert isinstance(served, Teacher) and not served.can_play
+    assert not isinstance(served, PlayingTeacher) and not hasattr(served, "play")
+    for generations in (0, 1):
+        trainer = MemOPDTrainer(
+            model=make_tiny_model(seed=0), teacher_model=make_tiny_model(seed=1),
+            args=make_config(tmp_path, teacher_generations=generations), train_dataset=world.records,
+            env_factory=env_factory, processing_class=tiny_tokenizer,
+        )  # fmt: skip
+        assert isinstance(trainer.teacher, LocalTeacher) and isinstance(trainer.teacher, PlayingTeacher)
+        assert trainer.teacher.can_play == (generations > 0)
+        if generations:  # its own engine, on its own weights: the student's engine is another
+            assert trainer.teacher.engine is not trainer.rollout_engine
+            assert trainer.teacher.engine.model is trainer.teacher.unwrapped
+
+
+def test_a_teacher_that_cannot_play_is_refused_when_asked_to(tmp_path, teacher_model, tiny_tokenizer):
+    """The capability is checked where the teacher is built (the config refuses a served teacher that plays first;
+    here it is set after the config's checks, as a config changed in place would be)."""
+    from accelerate import Accelerator
+
+    from memopd_trl.teacher import build_teacher
+
+    with serve_teacher(teacher_model, tiny_tokenizer) as (_, url):
+        args = make_config(tmp_path, loss_top_k=K, teacher_model_server_url=url)
+        args.teacher_generations = 1
+        with pytest.raises(ValueError, match=r"`teacher_generations` \(1\) .* a ServerTeacher cannot play"):
+            build_teacher(args, None, Accelerator(cpu=True), tiny_tokenizer, {"pad_token_id": 0}, {})
 
 
 def test_a_url_that_does_not_answer_is_refused_before_any_rollout(

@@ -4,7 +4,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from memopd_trl.envs.base import ActionFormat
-from memopd_trl.offline import build_tokenizer
+from offline_lab import build_tokenizer
 
 
 def _ids(tokenizer, text):

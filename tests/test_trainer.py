@@ -1,7 +1,6 @@
 """MemOPDTrainer end to end on tiny real models: rollout, packing, teacher scoring, losses, optimizer step."""
 
 import copy
-import functools
 import math
 import os
 import re
@@ -230,7 +229,6 @@ def test_missing_env_teacher_or_dataset_are_clear_errors(tmp_path, world, env_fa
         ("max_tokens_per_row", 0, "`max_tokens_per_row` must be None or >= 1"),
         ("epsilon", -0.1, "`epsilon` must be >= 0"),
         ("top_p", 0.0, "`top_p` must be in"),
-        ("memory_policy", "forgetful", "`memory_policy` must be one of"),
     ],
 )
 def test_bad_config_values_name_the_field(tmp_path, field, value, message):
@@ -591,52 +589,6 @@ def test_gradient_accumulation_rolls_out_every_micro_batch(tmp_path, world, env_
     trainer.train()
     # Step 1 rolls out its two micro-batches; step 2 reuses both (num_iterations=2).
     assert len(played) == 2 and played[0] != played[1], played
-
-
-def test_config_overrides_the_env_factory_settings(tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer):
-    # Deprecated (the env factory takes environment settings), still applied for one release.
-    with pytest.warns(FutureWarning, match="are environment settings: give them to the env factory"):
-        config = make_config(tmp_path, memory_policy="full_history", max_turns=3, action_format="mem1")
-    trainer = MemOPDTrainer(
-        model=make_tiny_model(seed=0),
-        teacher_model=make_tiny_model(seed=1),
-        args=config,
-        train_dataset=world.records,
-        env_factory=env_factory,
-        processing_class=tiny_tokenizer,
-    )
-    env = trainer.env_factory()
-    assert env.memory_policy.name == "full_history" and env.max_turns == 3
-    assert env.action_format.memory_tag == "think"
-    assert env.retriever is env_factory.retriever, "the retriever must be shared, not rebuilt"
-
-
-def test_config_overrides_a_plain_functools_partial_env_factory(
-    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
-):
-    plain = functools.partial(HotpotQAEnv, retriever=env_factory.retriever, top_k=1, max_turns=2)
-    trainer = MemOPDTrainer(
-        model=make_tiny_model(seed=0),
-        args=make_config(tmp_path, distill_coef=0.0, max_turns=5),
-        train_dataset=world.records,
-        env_factory=plain,
-        processing_class=tiny_tokenizer,
-    )
-    env = trainer.env_factory()
-    assert isinstance(env, HotpotQAEnv) and env.max_turns == 5 and env.top_k == 1
-
-
-def test_a_plain_callable_env_factory_cannot_take_config_overrides(
-    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
-):
-    with pytest.raises(ValueError, match="plain callable the trainer cannot rebuild"):
-        MemOPDTrainer(
-            model=make_tiny_model(seed=0),
-            args=make_config(tmp_path, distill_coef=0.0, max_turns=5),
-            train_dataset=world.records,
-            env_factory=lambda: env_factory(),
-            processing_class=tiny_tokenizer,
-        )
 
 
 class ScoredLengthEnv(LengthRewardEnv):

@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer, PackedInvocationCollator, RolloutEngine  # noqa: E402
 from memopd_trl.envs.retrieval import corpus_from_records  # noqa: E402
-from memopd_trl.packing import rebuilt_sequences, split_rows  # noqa: E402
+from memopd_trl.packing import rebuilt_sequences  # noqa: E402
 from memopd_trl.teacher import LocalTeacher, ServerTeacher  # noqa: E402
 
 
@@ -108,7 +108,7 @@ def test_the_server_log_probs_equal_a_local_forward(vllm_server, smollm2, invoca
     pad = tokenizer.pad_token_id
     collator = PackedInvocationCollator(max_model_length=2048, pad_token_id=pad)
     local_teacher = LocalTeacher(
-        model, Accelerator(cpu=True), {"aligned": collator}, lambda packed: split_rows(packed, pad_token_id=pad),
+        model, Accelerator(cpu=True), {"aligned": collator}, pad,
         len(tokenizer), 1.0, 1024, top_k=K,
     )  # fmt: skip
     action_ids = torch.tensor([t for inv in invocations for t in inv.output_ids])

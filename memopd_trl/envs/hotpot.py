@@ -18,7 +18,7 @@ class HotpotQAEnv(MemoryAgentEnv):
     `<answer>text</answer>` ends the episode with reward F1(answer, gold answer) (HotpotQA's official normalization).
 
     Works on real HotpotQA records (see `memopd_trl.envs.data.load_hotpotqa`) and on the synthetic world
-    (`memopd_trl.offline.make_synthetic_world`), which share one record layout, and on multi-objective tasks
+    (`offline_lab.make_synthetic_world`), which share one record layout, and on multi-objective tasks
     made from either (`memopd_trl.envs.multi.make_multi_objective_tasks`): k numbered sub-questions answered at once,
     the sub-answers joined by `" ; "`, rewarded with the mean per-sub-question F1 (`metrics.multi_answer_f1`; their
     scores are also in `info["sub_f1"]` / `info["sub_em"]` and `env.sub_f1` / `env.sub_em`). Such a task needs

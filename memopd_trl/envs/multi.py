@@ -194,7 +194,7 @@ def make_multi_objective_tasks(
 
     ```python
     >>> from memopd_trl.envs.multi import make_multi_objective_tasks
-    >>> from memopd_trl.offline import make_synthetic_world  # the offline lab's world
+    >>> from offline_lab import make_synthetic_world  # the offline lab's world
     >>> task = make_multi_objective_tasks(make_synthetic_world(10, seed=0).records, k=2)[0]
     >>> task["question"].splitlines()[1].startswith("Question 2: ")
     True

@@ -16,9 +16,12 @@ import copy
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the offline lab
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -27,10 +30,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from trl.models.utils import _ForwardRedirection  # noqa: E402
 
 from memopd_trl.losses import chunked_generalized_jsd, ppo_clip_loss  # noqa: E402
-from memopd_trl.offline import build_tiny_model  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import action_hidden_states, action_logprobs_from_hidden, action_token_ids, gathered_lm_head  # noqa: E402
+from offline_lab import build_tiny_model  # noqa: E402
 
 
 VOCAB = 203  # odd: the two shards of a head have different numbers of rows

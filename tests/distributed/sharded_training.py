@@ -24,11 +24,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the offline lab
+
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from memopd_trl.offline import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
+from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
 
 
 # The untrained students earn no reward, so `sampled_kl_coef` gives the PPO term advantages (and a gradient).

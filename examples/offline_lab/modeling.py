@@ -3,7 +3,7 @@
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from ..attention import register_varlen_attention
+from memopd_trl.attention import register_varlen_attention
 
 
 _ARCHITECTURES = ("qwen2", "llama")
@@ -63,7 +63,7 @@ def build_tiny_model(
     Example:
 
     ```python
-    >>> from memopd_trl.offline import build_tiny_model
+    >>> from offline_lab import build_tiny_model
     >>> model = build_tiny_model(vocab_size=512, architecture="llama")
     >>> model.config.model_type
     'llama'

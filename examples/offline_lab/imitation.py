@@ -16,9 +16,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..packing import PackedInvocationCollator, gather_actions
-from ..records import Invocation
-from ..scoring import action_logprobs, lm_head_params, packed_hidden_states
+from memopd_trl.packing import PackedInvocationCollator, gather_actions
+from memopd_trl.records import Invocation
+from memopd_trl.scoring import action_logprobs, lm_head_params, packed_hidden_states
 
 
 def expert_invocations(

@@ -11,13 +11,24 @@ Built on the library (`memopd_trl`), never imported by it:
   [`make_offline_world`], [`prepare_offline_models`]);
 - `diagnostics`: the teacher takeover measure and expert labels of student-visited states ([`teacher_takeover`],
   [`expert_labels`]);
-- `report`: the comparison's summary, table, `results.json` and plots ([`write_report`]).
+- `report`: the comparison's summary, table, `results.json` and plots ([`write_report`]);
+- `compare`: the main job's arguments, checks and arms x seeds loop, each arm resumable ([`ComparisonArguments`],
+  [`run_arms`]).
 
->>> from memopd_trl import offline
+>>> import offline_lab as offline
 >>> config = offline.OfflineConfig(num_train_questions=40, num_eval_questions=8, vocab_size=400)
 >>> world = offline.make_offline_world(config, max_turns=3)
 """
 
+from .compare import (
+    ARMS,
+    OFFLINE_DEFAULTS,
+    ComparisonArguments,
+    arm_config,
+    check_arguments,
+    run_arms,
+    set_cpu_threads,
+)
 from .diagnostics import expert_labels, takeover_rollout, teacher_takeover
 from .expert import MEMORY_MODES, SyntheticExpert, expert_trajectories, play_episode
 from .imitation import copy_task_invocations, expert_invocations, imitation_train
@@ -44,8 +55,9 @@ from .tokenizer import build_tokenizer
 from .world import NAME_SYLLABLES, SyntheticWorld, make_synthetic_world
 
 
-# The report's plots (`plot_curves`, `plot_misalignment`) are in `memopd_trl.offline.report`.
+# The report's plots (`plot_curves`, `plot_misalignment`) are in `offline_lab.report`.
 __all__ = [
+    "ARMS", "OFFLINE_DEFAULTS", "ComparisonArguments", "arm_config", "check_arguments", "run_arms", "set_cpu_threads",
     "MEMORY_MODES", "NAME_SYLLABLES", "RECIPE_VERSION", "VARLEN_ATTENTION", "OfflineConfig", "OfflineWorld",
     "SyntheticExpert", "SyntheticWorld", "build_offline_tokenizer", "build_tiny_model", "build_tokenizer",
     "cached_start_scores", "check_student_start", "copy_task_invocations", "eval_curve", "eval_settings", "expert_invocations",

@@ -156,7 +156,7 @@ class SyntheticWorld:
     Example:
 
     ```python
-    >>> from memopd_trl.offline import make_synthetic_world
+    >>> from offline_lab import make_synthetic_world
     >>> world = make_synthetic_world(4, seed=0)
     >>> sorted(world.records[0])
     ['_id', 'answer', 'context', 'level', 'question', 'supporting_facts', 'type']

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from ..envs.base import ACTION_FORMAT_PRESETS
+from memopd_trl.envs.base import ACTION_FORMAT_PRESETS
 
 
 EOS_TOKEN = "<|endoftext|>"
@@ -84,7 +84,7 @@ def build_tokenizer(
     Example:
 
     ```python
-    >>> from memopd_trl.offline import build_tokenizer
+    >>> from offline_lab import build_tokenizer
     >>> tokenizer = build_tokenizer(["Paris is the capital of France."] * 4, vocab_size=400)
     >>> tokenizer.convert_ids_to_tokens(tokenizer("<answer>Paris</answer>")["input_ids"])[0]
     '<answer>'

@@ -25,9 +25,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ..envs.base import ActionFormat, MemoryAgentEnv, parse_action
-from ..envs.multi import parse_sub_questions
-from ..metrics import MULTI_ANSWER_SEPARATOR
+from memopd_trl.envs.base import ActionFormat, MemoryAgentEnv, parse_action
+from memopd_trl.envs.multi import parse_sub_questions
+from memopd_trl.metrics import MULTI_ANSWER_SEPARATOR
+
 from .world import LOOKUP_ANSWER_FIELD, QUESTION_ENTITY_KIND, SyntheticWorld, find_fact, parse_question
 
 
@@ -67,7 +68,7 @@ class SyntheticExpert:
     Example:
 
     ```python
-    >>> from memopd_trl.offline import SyntheticExpert
+    >>> from offline_lab import SyntheticExpert
     >>> expert = SyntheticExpert()
     >>> expert([{"role": "system", "content": "..."},
     ...         {"role": "user", "content": "Question: Where was the director of Kalo Venu born?"}])

@@ -18,7 +18,7 @@ Each model is saved with its recipe ([`OfflineConfig`], the environment's settin
 by another version of this set-up) rebuilds what depends on it, with a one-line notice saying why (the student shares
 the teacher's tokenizer, so a new teacher means a new student).
 
->>> from memopd_trl.offline import OfflineConfig, load_offline_model, make_offline_world, prepare_offline_models
+>>> from offline_lab import OfflineConfig, load_offline_model, make_offline_world, prepare_offline_models
 >>> config = OfflineConfig(
 ...     num_train_questions=40, num_eval_questions=8, vocab_size=400, teacher_hidden_size=32, student_hidden_size=32,
 ...     copy_warmup_sequences=64, student_warmup_questions=16,
@@ -42,10 +42,11 @@ import torch
 from accelerate import PartialState
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from ..attention import VARLEN_SDPA, register_varlen_attention
-from ..envs.hotpot import HotpotQAEnv
-from ..envs.multi import make_multi_objective_tasks
-from ..rollout import RolloutEngine
+from memopd_trl.attention import VARLEN_SDPA, register_varlen_attention
+from memopd_trl.envs.hotpot import HotpotQAEnv
+from memopd_trl.envs.multi import make_multi_objective_tasks
+from memopd_trl.rollout import RolloutEngine
+
 from .expert import MEMORY_MODES, expert_trajectories
 from .imitation import copy_task_invocations, expert_invocations, imitation_train
 from .modeling import build_tiny_model
@@ -533,7 +534,7 @@ def train_tiny_agent(
             pretrained, `share_pretraining`) instead of a new one: `copy_data`, `pretrain_data` and the sizes are
             then not used.
         evaluate (`Callable[[PreTrainedModel], float]`, *optional*), eval_epochs (`float`, *optional*): score the
-            imitation's checkpoints and keep the best (see [`~memopd_trl.offline.imitation.imitation_train`]).
+            imitation's checkpoints and keep the best (see [`~offline_lab.imitation.imitation_train`]).
 
     Returns:
         `tuple[PreTrainedModel, list[float]]`: the model (in eval mode) and the action NLL of every imitation step.

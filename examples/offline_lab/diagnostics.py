@@ -13,15 +13,15 @@ a question of its own:
   any state; these labels, turned into imitation data by [`expert_invocations`], teach a model to act where students
   go.
 
->>> from memopd_trl.offline import teacher_takeover
+>>> from offline_lab import teacher_takeover
 >>> by_turn = teacher_takeover(student_engine, teacher_engine, world.evaluation)  # {0: {"f1": ...}, 1: {...}, ...}
 """
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..records import Episode
-from ..rollout import GeneratedAction, RolloutEngine
+from memopd_trl.records import Episode
+from memopd_trl.rollout import GeneratedAction, RolloutEngine
 
 
 class _TakeoverEngine(RolloutEngine):

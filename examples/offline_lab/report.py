@@ -5,7 +5,7 @@ evaluation (step 0 is the start), and optionally `misalignment`, the `[step, {tu
 (see [`misalignment_curve`]). The set-up, if any, maps a role (`"teacher"`, `"student_init"`) to its held-out
 `f1` / `em`.
 
->>> from memopd_trl.offline.report import format_table, summarize
+>>> from offline_lab.report import format_table, summarize
 >>> runs = [{"arm": "ppo", "seed": s, "f1": f, "em": f, "curve": [[0, 0.1, 0.1], [2, f, f]]} for s, f in [(0, .2), (1, .4)]]
 >>> print(format_table(summarize(runs), setup={}))
 | model | held-out F1 | held-out EM | seeds |
