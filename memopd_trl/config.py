@@ -143,6 +143,12 @@ class MemOPDConfig(_BaseConfig):
             (see `distill_divergence_scope`). These episodes add to the distillation loss only, never to PPO. Like
             sequence-level distillation on teacher outputs in TRL's `GKDTrainer` (`seq_kd`, `lmbda`). 0 = off; it
             needs `distill_coef > 0`.
+        distill_warmup_steps (`int`, *optional*, defaults to `0`):
+            Optimizer steps at the start of training during which the distillation loss covers only the teacher's
+            own episodes (`teacher_generations`), not the student's (PPO still covers the student's). On-policy
+            distillation first flips the student's first divergent token and so moves it into states it cannot yet
+            act in; imitating whole teacher actions first is gentler (docs/results.md, "Why MemOPD first breaks its
+            student"). 0 = off; it needs `teacher_generations > 0`.
 
         > Parameters that control the training
 
@@ -423,6 +429,14 @@ class MemOPDConfig(_BaseConfig):
         },
     )
 
+    distill_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Optimizer steps at the start during which the student is distilled on the teacher's own episodes "
+            "only (`teacher_generations`), not on its own; 0 = off."
+        },
+    )
+
     # Parameters that control the training
     ppo_coef: float = field(default=1.0, metadata={"help": "Weight of the PPO loss (0 gives pure distillation)."})
     sampled_kl_coef: float = field(
@@ -589,6 +603,13 @@ class MemOPDConfig(_BaseConfig):
             raise ValueError(
                 f"`teacher_generations` ({self.teacher_generations}) adds episodes to the distillation loss, but "
                 "`distill_coef` is 0: set `distill_coef` > 0, or `teacher_generations=0`."
+            )
+        if self.distill_warmup_steps < 0:
+            bad("distill_warmup_steps", ">= 0")
+        if self.distill_warmup_steps > 0 and self.teacher_generations == 0:
+            raise ValueError(
+                f"`distill_warmup_steps` ({self.distill_warmup_steps}) distills on the teacher's own episodes only, "
+                "but `teacher_generations` is 0: set `teacher_generations` > 0, or `distill_warmup_steps=0`."
             )
         if self.distill_divergence_scope not in ("action", "episode"):
             bad("distill_divergence_scope", '"action" or "episode"')

@@ -428,6 +428,8 @@ class MemOPDTrainer(_BaseTrainer):
         batch.teacher = self.teacher.score(rollout.invocations, args.teacher_scoring, batch.rows, action_ids)
         if args.distill_divergence_threshold > 0:
             batch.distill_mask = self._distill_mask(rollout, batch)
+        if self.state.global_step < args.distill_warmup_steps:  # the teacher's own episodes only, for now
+            batch.distill_mask = torch.zeros_like(batch.old_logprobs, dtype=torch.bool)
         if args.sampled_kl_coef > 0:
             token_rewards = sampled_kl_advantages(batch.teacher.sampled_logprobs, batch.old_logprobs)  # (N,)
             batch.advantages = batch.advantages + args.sampled_kl_coef * token_rewards

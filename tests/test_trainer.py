@@ -1234,3 +1234,32 @@ def test_importance_sampling_correction_is_on_by_default_with_vllm_only(tmp_path
         make_config(tmp_path, importance_sampling_mode="token")
     with pytest.raises(ValueError, match="`importance_sampling_clip_max` must be None or > 0"):
         make_config(tmp_path, importance_sampling_clip_max=0.0)
+
+
+def test_distill_warmup_steps_distill_only_the_teachers_episodes_until_then(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    student = make_tiny_model(seed=0)
+    teacher = near_copy(student, seed=1, scale=0.5)
+    config = make_config(
+        tmp_path, num_generations=2, teacher_generations=1, distill_warmup_steps=1, misalignment_audit_steps=0
+    )
+    trainer = MemOPDTrainer(
+        model=student, teacher_model=teacher, args=config, train_dataset=world.records, env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    metrics = trainer._metrics["train"]
+    for step in (0, 1):  # in the warm-up, then after it
+        trainer.state.global_step = step
+        batch = trainer._prepare_inputs(world.records[:2])
+        metrics.clear()
+        trainer._batch_loss(student, batch)
+        distill, play = metrics["loss/distill"][0], metrics["loss/distill_teacher_play"][0]
+        if step == 0:  # the student's own episodes are left out: the distillation is the teacher's episodes' alone
+            assert distill == pytest.approx(play, rel=1e-5)
+        else:
+            assert distill != pytest.approx(play, rel=1e-3), "after the warm-up the student's episodes count again"
+    with pytest.raises(ValueError, match="`distill_warmup_steps` .* but `teacher_generations` is 0"):
+        make_config(tmp_path, distill_warmup_steps=1, teacher_generations=0)
+    with pytest.raises(ValueError, match="`distill_warmup_steps` must be >= 0"):
+        make_config(tmp_path, distill_warmup_steps=-1)

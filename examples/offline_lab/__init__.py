@@ -50,6 +50,7 @@ from .setup import (
     offline_recipes,
     prepare_offline_models,
     train_tiny_agent,
+    validation_tasks,
 )
 from .tokenizer import build_tokenizer
 from .world import NAME_SYLLABLES, SyntheticWorld, make_synthetic_world
@@ -64,5 +65,5 @@ __all__ = [
     "expert_labels", "expert_trajectories", "format_table", "greedy_scores", "imitation_train", "load_offline_model",
     "load_offline_tokenizer", "make_offline_world", "make_synthetic_world", "misalignment_curve", "offline_recipes",
     "play_episode", "prepare_offline_models", "summarize", "takeover_rollout", "teacher_takeover", "train_tiny_agent",
-    "write_report",
+    "validation_tasks", "write_report",
 ]  # fmt: skip

@@ -472,6 +472,30 @@ def make_offline_world(config: OfflineConfig, **env_kwargs) -> OfflineWorld:
     return OfflineWorld(world, train_tasks, eval_tasks, env_factory, train_questions=train, eval_questions=evaluation)
 
 
+def validation_tasks(world: OfflineWorld, config: OfflineConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """
+    The training tasks split in two: those to train on, and the validation tasks, on which settings are chosen (the
+    held-out tasks are read for final tables only).
+
+    The validation tasks are the last `teacher_select_tasks` training tasks: the teacher does not imitate them (they
+    choose its checkpoint), the student start does not (it imitates the first `student_warmup_questions`), and they
+    are not trained on here. Their single questions are in the shared single-lookup pretraining, as every training
+    question is and no held-out one.
+
+    Returns:
+        `tuple[list[dict], list[dict]]`: the tasks to train on, and the validation tasks.
+    """
+    count = config.teacher_select_tasks
+    if count < 1:
+        raise ValueError("validation tasks are the teacher's selection tasks: give `teacher_select_tasks` >= 1.")
+    if len(world.train) - count < config.student_warmup_questions:
+        raise ValueError(
+            f"the {count} validation tasks overlap the student start's {config.student_warmup_questions} imitated "
+            f"tasks (of {len(world.train)} training tasks)."
+        )
+    return world.train[:-count], world.train[-count:]
+
+
 def build_offline_tokenizer(
     world: SyntheticWorld, expert_steps: list[tuple[list[dict[str, str]], str]], vocab_size: int
 ) -> PreTrainedTokenizerFast:

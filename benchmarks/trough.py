@@ -1,0 +1,269 @@
+"""
+Why MemOPD first breaks its student: the main job's start and the same student after a few MemOPD updates (the
+trough), measured per turn and per part of the action on the validation tasks.
+
+    python benchmarks/trough.py --output_dir outputs/hotpot [--trough_step 20] [any flag of examples/hotpot.py]
+
+`--output_dir` holds the main job's cached set-up (it is built there when missing). The MemOPD arm of the main job's
+settings (seed 0 unless `--seeds` says otherwise) trains the start for `--trough_step` updates on the training tasks
+that are not validation tasks; everything measured is on the validation tasks (`offline_lab.validation_tasks`):
+
+1. **The loss at step 0**, on the start's own sampled episodes (the training temperature, `num_generations` per task):
+   per turn and part, how many tokens the episode-scoped divergence mask keeps, their share of the forward KL, and
+   the norm of the gradient each turn's kept loss alone gives the weights.
+2. **What moved**, start -> trough: the mean log-prob of the start's sampled tokens and of the teacher's greedy tokens
+   (in the teacher's own states) under each model, per turn and part.
+3. **How the episodes change**: greedy and sampled F1, turns, malformed actions per turn with their errors, outputs cut
+   at `max_new_tokens`.
+4. **Whether the teacher can recover from the student's states**: the teacher takes over each model's greedy episodes
+   from turn k (`offline_lab.teacher_takeover`).
+
+Prints the tables and writes them to `<output_dir>/trough-<seed>-<step>.json`.
+"""
+
+import argparse
+import copy
+import json
+import sys
+from collections import Counter, defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import hotpot  # noqa: E402
+
+import offline_lab as offline  # noqa: E402
+from memopd_trl import MemOPDTrainer  # noqa: E402
+from memopd_trl.envs.base import ActionFormat, parse_action  # noqa: E402
+from memopd_trl.losses import until_first_divergence  # noqa: E402
+from memopd_trl.rollout import RolloutEngine  # noqa: E402
+from offline_lab.compare import arm_config  # noqa: E402
+
+
+PARTS = ("format", "memory", "query", "answer", "other")
+
+
+def token_parts(tokenizer, output_ids: list[int], action_format: ActionFormat) -> list[str]:
+    """The part of the action each output token writes: a tag or the space between tags (`format`), the memory text,
+    the search query, the answer, or text outside every block (`other`)."""
+    tags = {f"<{action_format.memory_tag}>": "memory", f"<{action_format.search_tag}>": "query",
+            f"<{action_format.answer_tag}>": "answer"}  # fmt: skip
+    closing = {f"</{tag[1:]}" for tag in tags}
+    inside, parts = None, []
+    for token_id in output_ids:
+        text = tokenizer.decode([token_id])
+        if text in tags:
+            inside = tags[text]
+            parts.append("format")
+        elif text in closing:
+            inside = None
+            parts.append("format")
+        elif inside is None:
+            parts.append("format" if not text.strip() else "other")
+        else:
+            parts.append(inside)
+    return parts
+
+
+@torch.no_grad()
+def _distributions(model, invocation, temperature: float) -> torch.Tensor:
+    """`(len(output_ids), vocab)`: the model's log-distribution at each action token, at `temperature`."""
+    ids = torch.tensor([invocation.input_ids + invocation.output_ids])
+    logits = model(input_ids=ids).logits[0, len(invocation.input_ids) - 1 : -1].float()
+    return (logits / temperature).log_softmax(-1)
+
+
+def token_rows(episodes, tokenizer, action_format, models: dict, temperature: float) -> list[dict]:
+    """One row per action token of `episodes`: episode, turn, part, and each model's log-prob of the token."""
+    rows = []
+    for episode_index, episode in enumerate(episodes):
+        for invocation in episode.invocations:
+            if not invocation.output_ids:
+                continue
+            parts = token_parts(tokenizer, invocation.output_ids, action_format)
+            targets = torch.tensor(invocation.output_ids)[:, None]
+            logprobs = {name: _distributions(model, invocation, temperature).gather(-1, targets)[:, 0].tolist()
+                        for name, model in models.items()}  # fmt: skip
+            for i, part in enumerate(parts):
+                rows.append({"episode": episode_index, "turn": invocation.turn, "part": part,
+                             **{name: values[i] for name, values in logprobs.items()}})  # fmt: skip
+    return rows
+
+
+def step0_loss(episodes, student, teacher, tokenizer, action_format, config) -> dict:
+    """Per turn and part at the start: kept tokens, their share of the forward KL, and each turn's gradient norm."""
+    temperature, rows, losses = config.temperature, [], []
+    for episode_index, episode in enumerate(episodes):
+        for invocation in episode.invocations:
+            if not invocation.output_ids:
+                continue
+            ids = torch.tensor([invocation.input_ids + invocation.output_ids])
+            start = len(invocation.input_ids) - 1
+            student_logp = (student(input_ids=ids).logits[0, start:-1].float() / temperature).log_softmax(-1)
+            teacher_logp = _distributions(teacher, invocation, temperature)
+            kl = (teacher_logp.exp() * (teacher_logp - student_logp)).sum(-1)  # forward KL per token
+            sampled = teacher_logp.gather(-1, torch.tensor(invocation.output_ids)[:, None])[:, 0]
+            for i, part in enumerate(token_parts(tokenizer, invocation.output_ids, action_format)):
+                rows.append({"episode": episode_index, "turn": invocation.turn, "part": part,
+                             "teacher_sampled": sampled[i].item(), "kl": kl[i].item()})  # fmt: skip
+            losses.append(kl)
+    kl_all = torch.cat(losses)
+    keep = until_first_divergence(
+        torch.tensor([row["teacher_sampled"] for row in rows]),
+        torch.tensor([row["episode"] for row in rows]),
+        config.distill_divergence_threshold,
+    )
+    total = (kl_all * keep).sum().detach()
+    turns = torch.tensor([row["turn"] for row in rows])
+    grad_norms = {}
+    for turn in sorted(set(turns.tolist())):
+        student.zero_grad()
+        ((kl_all * keep * (turns == turn)).sum() / keep.sum()).backward(retain_graph=True)
+        grad_norms[turn] = torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]).norm()
+    student.zero_grad()
+    table = defaultdict(lambda: {"tokens": 0, "kept": 0, "kl_kept": 0.0})
+    for row, kept, kl in zip(rows, keep.tolist(), kl_all.tolist(), strict=True):
+        for key in ((row["turn"], row["part"]), (row["turn"], "all")):
+            table[key]["tokens"] += 1
+            table[key]["kept"] += kept
+            table[key]["kl_kept"] += kl * kept
+    out = {}
+    for (turn, part), cell in sorted(table.items()):
+        out[f"{turn}/{part}"] = {"tokens": cell["tokens"], "kept": cell["kept"],
+                                 "loss_share": cell["kl_kept"] / max(total.item(), 1e-12),
+                                 "kl_per_kept_token": cell["kl_kept"] / max(cell["kept"], 1)}  # fmt: skip
+        if part == "all":
+            out[f"{turn}/{part}"]["grad_norm"] = float(grad_norms[turn])
+    return out
+
+
+def episode_stats(episodes, tokenizer, action_format) -> dict:
+    """F1, turns, malformed actions per turn (and their errors), actions cut at the token limit."""
+    by_turn, examples = defaultdict(Counter), defaultdict(list)
+    for episode in episodes:
+        for invocation in episode.invocations:
+            parsed = parse_action(tokenizer.decode(invocation.output_ids), action_format)
+            cell = by_turn[invocation.turn]
+            cell["actions"] += 1
+            cell["truncated"] += invocation.truncated
+            if parsed.error:
+                cell["malformed"] += 1
+                cell["error: " + parsed.error.split(";")[0][:40]] += 1
+                examples[invocation.turn].append(tokenizer.decode(invocation.output_ids))
+    n = max(1, len(episodes))
+    return {"f1": sum(e.f1 for e in episodes) / n, "turns": sum(e.num_turns for e in episodes) / n,
+            "malformed_per_episode": sum(e.num_malformed for e in episodes) / n,
+            "by_turn": {turn: dict(cell) for turn, cell in sorted(by_turn.items())},
+            "malformed_examples": {turn: texts[:3] for turn, texts in sorted(examples.items())}}  # fmt: skip
+
+
+def mean_logprobs(rows: list[dict], names: list[str]) -> dict:
+    cells = defaultdict(list)
+    for row in rows:
+        cells[f"{row['turn']}/{row['part']}"].append(row)
+        cells[f"{row['turn']}/all"].append(row)
+    return {key: {"tokens": len(group), **{name: sum(r[name] for r in group) / len(group) for name in names}}
+            for key, group in sorted(cells.items())}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--trough_step", type=int, default=20, help="MemOPD updates from the start to the trough.")
+    own.add_argument("--num_tasks", type=int, default=50, help="Validation tasks measured (the first ones).")
+    own.add_argument("--quick", action="store_true", help="Only the trough's greedy and sampled episodes (a variant's "
+                     "check): no step-0 loss, no log-probs, no takeover.")
+    ours, rest = own.parse_known_args(argv)
+    args, config, _ = hotpot.parse_args(rest)
+    offline.set_cpu_threads(args.cpu_threads)
+    output_dir = Path(config.output_dir)
+    world = offline.make_offline_world(args, **args.env_settings())
+    generation = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
+    offline.prepare_offline_models(args, world, output_dir, **generation)
+    train, validation = offline.validation_tasks(world, args)
+    tasks = validation[: ours.num_tasks]
+    tokenizer = offline.load_offline_tokenizer(output_dir / "teacher")
+    teacher = offline.load_offline_model(output_dir / "teacher").eval()
+    start = offline.load_offline_model(output_dir / "student_init")
+    seed = args.seeds[0]
+    settings = replace(arm_config(config, "memopd", seed), max_steps=ours.trough_step, eval_strategy="no",
+                       output_dir=str(output_dir / f"trough-{seed}"), logging_steps=ours.trough_step)  # fmt: skip
+    trainer = MemOPDTrainer(model=copy.deepcopy(start), teacher_model=teacher, args=settings, train_dataset=train,
+                            env_factory=world.env_factory, processing_class=tokenizer)  # fmt: skip
+    action_format = world.env_factory().action_format
+    torch.manual_seed(seed)
+
+    def engine(model, temperature=config.temperature):
+        return RolloutEngine(model.eval(), tokenizer, world.env_factory, temperature=temperature, **generation)
+
+    report = {"trough_step": ours.trough_step, "seed": seed, "num_tasks": len(tasks)}
+    sampled, _ = engine(start).rollout(tasks, num_generations=config.num_generations)
+    if not ours.quick:
+        start.train()
+        report["step0_loss"] = step0_loss(sampled, start, teacher, tokenizer, action_format, settings)
+        start.eval()
+    trainer.train()
+    trough = trainer.model.eval()
+    trainer.save_model(settings.output_dir)
+    if ours.quick:
+        for mode, greedy in (("greedy", True), ("sampled", False)):
+            episodes, _ = engine(trough).rollout(tasks, num_generations=1 if greedy else config.num_generations,
+                                                 greedy=greedy)  # fmt: skip
+            report[f"trough_{mode}"] = episode_stats(episodes, tokenizer, action_format)
+            print(f"trough {mode}: F1 {report[f'trough_{mode}']['f1']:.3f}, malformed "
+                  f"{report[f'trough_{mode}']['malformed_per_episode']:.2f} per episode, by turn "
+                  f"{report[f'trough_{mode}']['by_turn']}\n  e.g. {report[f'trough_{mode}']['malformed_examples']}")  # fmt: skip
+        return report
+    teacher_greedy, _ = engine(teacher).rollout(tasks, greedy=True)
+    models = {"start": start, "trough": trough}
+    for name, model in models.items():
+        greedy, _ = engine(model).rollout(tasks, greedy=True)
+        sampled_now, _ = engine(model).rollout(tasks, num_generations=config.num_generations)
+        report[f"{name}_greedy"] = episode_stats(greedy, tokenizer, action_format)
+        report[f"{name}_sampled"] = episode_stats(sampled_now, tokenizer, action_format)
+        report[f"{name}_takeover"] = offline.teacher_takeover(engine(model), engine(teacher), tasks)
+    report["teacher_greedy"] = episode_stats(teacher_greedy, tokenizer, action_format)
+    rows = token_rows(sampled, tokenizer, action_format, models, config.temperature)
+    report["logprobs_on_start_samples"] = mean_logprobs(rows, list(models))
+    rows = token_rows(teacher_greedy, tokenizer, action_format, models, config.temperature)
+    report["logprobs_on_teacher_greedy"] = mean_logprobs(rows, list(models))
+    path = output_dir / f"trough-{seed}-{ours.trough_step}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    print_report(report)
+    print(f"\n{path}")
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"\n## Step-0 loss on the start's samples (T = training temperature), seed {report['seed']}")
+    print("| turn/part | tokens | kept | share of kept loss | KL per kept token | grad norm |\n|---|---:|---:|---:|---:|---:|")
+    for key, cell in report["step0_loss"].items():
+        if cell["kept"] or key.endswith("/all"):
+            print(f"| {key} | {cell['tokens']} | {cell['kept']} | {cell['loss_share']:.3f} | "
+                  f"{cell['kl_per_kept_token']:.2f} | {cell.get('grad_norm', float('nan')):.3g} |")  # fmt: skip
+    for source in ("start_samples", "teacher_greedy"):
+        print(f"\n## Mean log-prob of the {source.replace('_', ' ')}' tokens (T = training temperature)")
+        print("| turn/part | tokens | start | trough | moved |\n|---|---:|---:|---:|---:|")
+        for key, cell in report[f"logprobs_on_{source}"].items():
+            print(f"| {key} | {cell['tokens']} | {cell['start']:.3f} | {cell['trough']:.3f} | "
+                  f"{cell['trough'] - cell['start']:+.3f} |")  # fmt: skip
+    for name in ("start", "trough", "teacher"):
+        for mode in ("greedy", "sampled"):
+            stats = report.get(f"{name}_{mode}")
+            if stats is None:
+                continue
+            print(f"\n## {name}, {mode}: F1 {stats['f1']:.3f}, turns {stats['turns']:.2f}, "
+                  f"malformed {stats['malformed_per_episode']:.2f} per episode")  # fmt: skip
+            for turn, cell in stats["by_turn"].items():
+                print(f"  turn {turn}: {cell}")
+    for name in ("start", "trough"):
+        print(f"\n## Teacher takeover of the {name}'s greedy episodes from turn k")
+        for k, cell in report[f"{name}_takeover"].items():
+            print(f"  k={k}: F1 {cell['f1']:.3f}, turns {cell['mean_turns']:.2f}, taken over {cell['taken_over']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""benchmarks/trough.py (why MemOPD first breaks its student) on the smoke preset, and the validation split it uses."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trough(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import trough
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return trough
+
+
+def test_the_validation_tasks_are_neither_trained_on_nor_imitated(hotpot):
+    import offline_lab as offline
+
+    args, _, _ = hotpot.parse_args(["--config", str(ROOT / "examples" / "smoke.yaml")])
+    world = offline.make_offline_world(args, **args.env_settings())
+    train, validation = offline.validation_tasks(world, args)
+    assert len(validation) == args.teacher_select_tasks and train + validation == world.train
+    ids = {task["_id"] for task in validation}
+    assert not ids & {task["_id"] for task in train}
+    assert not ids & {task["_id"] for task in world.train[: args.student_warmup_questions]}, "the start imitated them"
+    assert not ids & {task["_id"] for task in world.evaluation}
+    with pytest.raises(ValueError, match="teacher_select_tasks"):
+        offline.validation_tasks(world, type(args)(**{**vars(args), "teacher_select_tasks": 0}))
+
+
+def test_the_trough_report_splits_the_step0_loss_and_the_moves_by_turn_and_part(trough, tmp_path):
+    report = trough.main(["--config", str(ROOT / "examples" / "smoke.yaml"), "--output_dir", str(tmp_path),
+                          "--trough_step", "1", "--num_tasks", "2", "--distill_divergence_threshold", "0.1"])  # fmt: skip
+    assert json.loads((tmp_path / "trough-0-1.json").read_text())["trough_step"] == 1
+    loss = report["step0_loss"]
+    totals = {key: cell for key, cell in loss.items() if key.endswith("/all")}
+    assert sum(cell["loss_share"] for cell in totals.values()) == pytest.approx(1.0, abs=1e-6)
+    for key, cell in loss.items():
+        assert 0 <= cell["kept"] <= cell["tokens"], key
+        assert key.split("/")[1] in (*trough.PARTS, "all")
+    parts = [cell for key, cell in loss.items() if not key.endswith("/all")]
+    assert sum(cell["tokens"] for cell in parts) == sum(cell["tokens"] for cell in totals.values())
+    for name in ("start", "trough"):
+        assert set(report[f"{name}_greedy"]) >= {"f1", "turns", "malformed_per_episode", "by_turn"}
+        assert 0 in report[f"{name}_takeover"]
+    moved = report["logprobs_on_start_samples"]
+    assert all(cell["start"] <= 0 and cell["trough"] <= 0 for cell in moved.values())
+
+
+def test_token_parts_follow_the_tags(trough, tiny_tokenizer):
+    from memopd_trl.envs.base import ActionFormat
+
+    text = "<memory>facts</memory> <search>query</search>"
+    ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    parts = trough.token_parts(tiny_tokenizer, ids, ActionFormat())
+    decoded = [tiny_tokenizer.decode([i]) for i in ids]
+    by_part = {part: "".join(d for d, p in zip(decoded, parts, strict=True) if p == part) for part in set(parts)}
+    assert by_part["memory"].strip() == "facts" and by_part["query"].strip() == "query"
+    assert "<memory>" in by_part["format"] and "</search>" in by_part["format"]
