@@ -116,17 +116,21 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(
             model_args.model_name_or_path, revision=model_args.model_revision, trust_remote_code=config.trust_remote_code
         )  # fmt: skip
-        setup, start = {}, None  # the start's score is measured by the first arm
+        setup, test = {}, None  # the held-out questions give the curves (no validation split)
     else:
         world = offline.make_offline_world(args, **args.env_settings())
-        train, evaluation, env_factory = world.train, world.evaluation, world.env_factory
+        # Settings are chosen on validation tasks (the curves); the held-out tasks are read once per arm, at the end.
+        train, evaluation, test, env_factory = world.train, world.evaluation, None, world.env_factory
+        if args.teacher_select_tasks > 0:
+            (train, evaluation), test = offline.validation_tasks(world, args), world.evaluation
+        else:
+            log("[arms] no validation tasks (--teacher_select_tasks 0): the curves are on the held-out tasks")
         generation = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
         setup = offline.prepare_offline_models(args, world, output_dir, **generation)
         refused = offline.check_student_start(setup, args)
         if refused:
             fail(refused)
         tokenizer = offline.load_offline_tokenizer(output_dir / "teacher")
-        start = offline.cached_start_scores(setup, world, **generation)  # every arm's step 0
     peft_config = get_peft_config(model_args)
 
     # The trainer of one arm: the models the config names (real mode), or fresh copies of the cached ones.
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Train and evaluate every arm x seed from the same start (resumable: --resume_from_checkpoint true).
     log(f"[arms] {', '.join(args.arms)} x seeds {args.seeds}: {config.max_steps} steps each")
-    runs = run_arms(build_trainer, config, args, start)
+    runs = run_arms(build_trainer, config, args, test=test)  # the start's curve score is measured by the first arm
 
     # Report.
     command = "examples/hotpot.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -144,11 +144,14 @@ class MemOPDConfig(_BaseConfig):
             sequence-level distillation on teacher outputs in TRL's `GKDTrainer` (`seq_kd`, `lmbda`). 0 = off; it
             needs `distill_coef > 0`.
         distill_warmup_steps (`int`, *optional*, defaults to `0`):
-            Optimizer steps at the start of training during which the distillation loss covers only the teacher's
-            own episodes (`teacher_generations`), not the student's (PPO still covers the student's). On-policy
-            distillation first flips the student's first divergent token and so moves it into states it cannot yet
-            act in; imitating whole teacher actions first is gentler (docs/results.md, "Why MemOPD first breaks its
-            student"). 0 = off; it needs `teacher_generations > 0`.
+            Optimizer steps at the start of training during which the distillation covers only the teacher's own
+            episodes (`teacher_generations`), not the student's (PPO still covers the student's), and leaves out each
+            teacher episode's branch point: its first token the student gives a probability below
+            `distill_divergence_threshold`. The student first learns to act in the states the teacher's choices lead
+            to, and only then, on its own episodes, to make those choices. On-policy distillation flips the first
+            divergent token at once, and so moves the student into states it cannot yet act in (docs/results.md,
+            "Why MemOPD first breaks its student"). 0 = off; it needs `teacher_generations > 0` and
+            `distill_divergence_threshold > 0`.
 
         > Parameters that control the training
 
@@ -433,7 +436,8 @@ class MemOPDConfig(_BaseConfig):
         default=0,
         metadata={
             "help": "Optimizer steps at the start during which the student is distilled on the teacher's own episodes "
-            "only (`teacher_generations`), not on its own; 0 = off."
+            "only (`teacher_generations`), each without its branch point (its first token the student gives less "
+            "than `distill_divergence_threshold`), and not on its own; 0 = off."
         },
     )
 
@@ -610,6 +614,11 @@ class MemOPDConfig(_BaseConfig):
             raise ValueError(
                 f"`distill_warmup_steps` ({self.distill_warmup_steps}) distills on the teacher's own episodes only, "
                 "but `teacher_generations` is 0: set `teacher_generations` > 0, or `distill_warmup_steps=0`."
+            )
+        if self.distill_warmup_steps > 0 and self.distill_divergence_threshold == 0:
+            raise ValueError(
+                f"`distill_warmup_steps` ({self.distill_warmup_steps}) leaves out the teacher's branch points, the "
+                "tokens the student gives less than `distill_divergence_threshold`, which is 0: set it > 0 (e.g. 0.1)."
             )
         if self.distill_divergence_scope not in ("action", "episode"):
             bad("distill_divergence_scope", '"action" or "episode"')

@@ -174,11 +174,14 @@ class TeacherPlay:
         teacher (`TeacherScores`): the teacher's scores of their actions, `(N_play, ...)`.
         joint_rows (`list[dict]`): the rollout's invocations, then these, packed together and split into rows: the
             student's forwards run on these (a row can hold actions of both).
+        distill_mask (`torch.Tensor` of shape `(N_play,)`, *optional*): the tokens the distillation keeps (during
+            `distill_warmup_steps`); `None` keeps all.
     """
 
     invocations: list[Invocation]
     teacher: "TeacherScores | TopKTeacherScores"
     joint_rows: list[dict[str, Any]]
+    distill_mask: torch.Tensor | None = None
 
 
 @dataclass

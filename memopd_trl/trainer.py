@@ -21,6 +21,7 @@ The trainer orchestrates; the maths lives in `losses.py`, the packing in `packin
 """
 
 import copy
+import math
 import os
 import time
 from collections import defaultdict
@@ -497,6 +498,7 @@ class MemOPDTrainer(_BaseTrainer):
         )  # (N,)
         self._metrics["train"]["distill/kept_tokens"].append(mask.float().mean().item())
         return mask
+
     def _teacher_play(self, records: list[dict], rollout_invocations: list[Invocation]) -> TeacherPlay | None:
         """
         The teacher plays `teacher_generations` sampled episodes per record; returns their invocations, the teacher's
@@ -514,8 +516,36 @@ class MemOPDTrainer(_BaseTrainer):
             scores = self.teacher.score(invocations, self.args.teacher_scoring)  # (N_play, ...)
             joint_rows = self._forward_rows(send_to_device(self.collator(rollout_invocations + invocations), device))
             play = TeacherPlay(invocations, scores, joint_rows)
+            if self.state.global_step < self.args.distill_warmup_steps:
+                play.distill_mask = self._continuations_only(episodes, invocations)
         self._record_metric("time/teacher_play", time.perf_counter() - start)
         return play
+
+    def _continuations_only(self, episodes: list[Episode], invocations: list[Invocation]) -> torch.Tensor:
+        """
+        `(N_play,)`: the teacher's action tokens that the warm-up distills, every one but each episode's first that the
+        student gives a probability below `distill_divergence_threshold`: its branch point. The student learns to act
+        in the states the teacher's branch leads to before it is taught to take the branch (no grad). Collective when
+        sharded.
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        packed = send_to_device(self.collator(invocations), self.accelerator.device)
+        with torch.no_grad():
+            hidden = rows_action_hidden_states(model, self._forward_rows(packed))
+            logprobs = sampled_token_logprobs(
+                model, hidden, action_token_ids(packed), self.vocab_size, self.args.temperature,
+                self.args.logit_chunk_size,
+            )  # fmt: skip
+        below = (logprobs < math.log(self.args.distill_divergence_threshold)).tolist()
+        keep, position = [], 0
+        for episode in episodes:
+            count = sum(len(invocation.output_ids) for invocation in episode.invocations)
+            branch = next((i for i in range(count) if below[position + i]), None)
+            keep += [i != branch for i in range(count)]
+            position += count
+        mask = torch.tensor(keep, dtype=torch.bool, device=logprobs.device)
+        self._record_metric("distill/warmup_branch_tokens", float((~mask).sum()))
+        return mask
 
     def _forward_rows(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """The rows of a packed batch, each forwarded on its own (`sharding.forward_rows`). Collective when sharded."""
@@ -603,6 +633,8 @@ class MemOPDTrainer(_BaseTrainer):
         if isinstance(batch, SkippedBatch):
             return [LossPiece(batch, None)]
         play = len(batch.teacher_play.teacher) if batch.teacher_play is not None else 0
+        if play and batch.teacher_play.distill_mask is not None:
+            play = int(batch.teacher_play.distill_mask.sum())
         kept = int(batch.distill_mask.sum()) if batch.distill_mask is not None else batch.num_actions
         counts = {
             "actions": batch.num_actions,
@@ -729,6 +761,8 @@ class MemOPDTrainer(_BaseTrainer):
                     distilled = distilled[batch.distill_mask[actions]]
                 if counts["play"]:
                     play_divergence = divergence(play_hidden, batch.teacher_play.teacher, play_actions)
+                    if batch.teacher_play.distill_mask is not None:  # the warm-up: each episode's branch point left out
+                        play_divergence = play_divergence[batch.teacher_play.distill_mask[play_actions]]
                     sums["loss/distill_teacher_play"] += play_divergence.sum().item() / counts["play"]
                     distilled = torch.cat([distilled, play_divergence])
                 distill = distilled.mean() if distilled.numel() else hidden.new_zeros(())

@@ -167,7 +167,7 @@ def test_rerun_reuses_the_cached_teacher_and_student(hotpot, tmp_path, monkeypat
     evaluate = hotpot.MemOPDTrainer.evaluate
 
     def recording_evaluate(self, *args, **kwargs):
-        evaluated_at.append(self.state.global_step)
+        evaluated_at.append((self.state.global_step, kwargs.get("metric_key_prefix", "eval")))
         return evaluate(self, *args, **kwargs)
 
     monkeypatch.setattr(hotpot.MemOPDTrainer, "evaluate", recording_evaluate)
@@ -175,13 +175,11 @@ def test_rerun_reuses_the_cached_teacher_and_student(hotpot, tmp_path, monkeypat
     stamps = {role: (out / role / "model.safetensors").stat().st_mtime_ns for role in ("teacher", "student_init")}
     second = hotpot.main(argv)
     assert stamps == {role: (out / role / "model.safetensors").stat().st_mtime_ns for role in stamps}
-    # The set-up's greedy score of the student start is every arm's step 0: the trainer never replays it.
-    assert 0 not in evaluated_at
+    # The curves are on the validation tasks: the start is scored there once per run (step 0), and the held-out
+    # tasks once per arm, at its end; the held-out score of the start is the set-up's.
+    assert evaluated_at == 2 * [(0, "eval"), (1, "eval"), (1, "test")], evaluated_at
     for results in (first, second):
-        assert results["runs"][0]["curve"][0][1:] == [results["setup"]["student_init"][k] for k in ("f1", "em")]
-    # Under other evaluation settings the cached score does not hold, and the start is evaluated again.
-    hotpot.main(argv + ["--max_new_tokens", "10"])
-    assert evaluated_at.count(0) == 1
+        assert results["runs"][0]["curve_tasks"] == "validation"
     # A different student recipe rebuilds the student only.
     hotpot.main(argv + ["--student_epochs", "0.25"])
     assert (out / "teacher" / "model.safetensors").stat().st_mtime_ns == stamps["teacher"]

@@ -65,7 +65,7 @@ def test_a_sigterm_then_resume_reaches_the_uninterrupted_runs_weights(hotpot, tm
     try:
         for line in process.stdout:  # the trainer prints each step's logs as a dict (logging_steps=1)
             lines.append(line)
-            in_second_arm = in_second_arm or line.startswith("[ppo seed 0] held-out F1")
+            in_second_arm = in_second_arm or line.startswith("[ppo seed 0] validation F1")
             if in_second_arm and line.startswith("{") and "'loss" in line:
                 process.send_signal(signal.SIGTERM)
                 break

@@ -1236,14 +1236,19 @@ def test_importance_sampling_correction_is_on_by_default_with_vllm_only(tmp_path
         make_config(tmp_path, importance_sampling_clip_max=0.0)
 
 
-def test_distill_warmup_steps_distill_only_the_teachers_episodes_until_then(
+def test_distill_warmup_steps_distill_the_teachers_episodes_without_their_branch_points_until_then(
     tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
 ):
+    import math
+
+    from memopd_trl.scoring import full_logits_action_logprobs
+
     student = make_tiny_model(seed=0)
     teacher = near_copy(student, seed=1, scale=0.5)
     config = make_config(
-        tmp_path, num_generations=2, teacher_generations=1, distill_warmup_steps=1, misalignment_audit_steps=0
-    )
+        tmp_path, num_generations=2, teacher_generations=2, distill_warmup_steps=1, distill_divergence_threshold=0.1,
+        temperature=1.3, misalignment_audit_steps=0,
+    )  # fmt: skip
     trainer = MemOPDTrainer(
         model=student, teacher_model=teacher, args=config, train_dataset=world.records, env_factory=env_factory,
         processing_class=tiny_tokenizer,
@@ -1252,14 +1257,29 @@ def test_distill_warmup_steps_distill_only_the_teachers_episodes_until_then(
     for step in (0, 1):  # in the warm-up, then after it
         trainer.state.global_step = step
         batch = trainer._prepare_inputs(world.records[:2])
+        play = batch.teacher_play
         metrics.clear()
         trainer._batch_loss(student, batch)
-        distill, play = metrics["loss/distill"][0], metrics["loss/distill_teacher_play"][0]
-        if step == 0:  # the student's own episodes are left out: the distillation is the teacher's episodes' alone
-            assert distill == pytest.approx(play, rel=1e-5)
-        else:
-            assert distill != pytest.approx(play, rel=1e-3), "after the warm-up the student's episodes count again"
+        distill, played = metrics["loss/distill"][0], metrics["loss/distill_teacher_play"][0]
+        if step == 1:
+            assert play.distill_mask is None
+            assert distill != pytest.approx(played, rel=1e-3), "after the warm-up the student's episodes count again"
+            continue
+        # The student's own episodes are left out: the distillation is the teacher's episodes' alone...
+        assert distill == pytest.approx(played, rel=1e-5)
+        # ... each without its first token the student gives < 0.1 (its branch point), every other token kept.
+        with torch.no_grad():
+            logprobs = full_logits_action_logprobs(student, play.invocations, temperature=1.3)
+        expected, position = [], 0
+        for key in dict.fromkeys((inv.group_id, inv.episode_id) for inv in play.invocations):
+            count = sum(len(inv.output_ids) for inv in play.invocations if (inv.group_id, inv.episode_id) == key)
+            below = [i for i in range(count) if logprobs[position + i] < math.log(0.1)]
+            expected += [not below or i != below[0] for i in range(count)]
+            position += count
+        assert play.distill_mask.tolist() == expected and not all(expected), "the check needs a branch point"
     with pytest.raises(ValueError, match="`distill_warmup_steps` .* but `teacher_generations` is 0"):
-        make_config(tmp_path, distill_warmup_steps=1, teacher_generations=0)
+        make_config(tmp_path, distill_warmup_steps=1, teacher_generations=0, distill_divergence_threshold=0.1)
+    with pytest.raises(ValueError, match="`distill_divergence_threshold`, which is 0"):
+        make_config(tmp_path, distill_warmup_steps=1, teacher_generations=1)
     with pytest.raises(ValueError, match="`distill_warmup_steps` must be >= 0"):
         make_config(tmp_path, distill_warmup_steps=-1)

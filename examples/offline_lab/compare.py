@@ -34,6 +34,7 @@ ARMS = {
         "teacher_model_server_url": None,
         "teacher_generations": 0,
         "distill_divergence_threshold": 0.0,
+        "distill_warmup_steps": 0,
     },  # fmt: skip
     "memopd": {"teacher_scoring": "aligned"},
     "memopd_persistent": {"teacher_scoring": "persistent"},
@@ -216,10 +217,13 @@ def run_arms(
     config: MemOPDConfig,
     args: ComparisonArguments,
     start: dict[str, float] | None = None,
+    test: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """
     Train every arm of `args.arms` for every seed of `args.seeds`, each from the student start `build_trainer` gives
-    it, and evaluate it greedily on the held-out questions.
+    it, and evaluate it greedily: every `eval_steps` on the trainer's evaluation tasks (its curve), and at the end on
+    the held-out `test` tasks when they are given (then the trainer's tasks are the validation tasks, where settings
+    are chosen, and the test tasks are read once per arm, for the final table).
 
     With `config.resume_from_checkpoint` (`"true"`, or one checkpoint's path for a run of one arm and one seed), an arm
     that had finished is reused from its `result.json`, the arm that was stopped resumes from its last complete
@@ -229,12 +233,15 @@ def run_arms(
         build_trainer (`Callable[[MemOPDConfig], MemOPDTrainer]`): a fresh trainer of the start for an arm's config.
         config (`MemOPDConfig`): the settings every arm changes (`ARMS`).
         args (`ComparisonArguments`): the arms, seeds and `save_models`.
-        start (`dict[str, float]`, *optional*): the start's held-out `f1` and `em` (every curve's step 0); measured
-            by the first arm when not given.
+        start (`dict[str, float]`, *optional*): the start's `f1` and `em` on the trainer's evaluation tasks (every
+            curve's step 0); measured by the first arm when not given.
+        test (`list[dict]`, *optional*): the held-out tasks of the final scores; without them the final scores are
+            the curve's last point.
 
     Returns:
-        `list[dict]`: per arm and seed, in order: `arm`, `seed`, the final `f1` / `em`, the evaluation `curve`, the
-        per-turn alignment audit (`misalignment`) and the training time (`seconds`).
+        `list[dict]`: per arm and seed, in order: `arm`, `seed`, the final `f1` / `em` (on `test` when given), the
+        evaluation `curve` and the tasks it is on (`curve_tasks`: `"validation"` or `"test"`), the per-turn alignment
+        audit (`misalignment`) and the training time (`seconds`).
     """
     runs, resume = [], config.resume_from_checkpoint
     for seed in args.seeds:
@@ -260,11 +267,16 @@ def run_arms(
             if curve[-1][0] != trainer.state.global_step:
                 metrics = trainer.evaluate()
                 curve.append([trainer.state.global_step, metrics["eval_f1"], metrics["eval_em"]])
+            final, tasks = {"f1": curve[-1][1], "em": curve[-1][2]}, "test"
+            if test is not None:
+                metrics = trainer.evaluate(eval_dataset=test, metric_key_prefix="test")
+                final, tasks = {"f1": metrics["test_f1"], "em": metrics["test_em"]}, "validation"
             seconds = time.perf_counter() - started
             if args.save_models:
                 trainer.save_model(str(run_dir))
-            log(f"[{arm} seed {seed}] held-out F1 {curve[0][1]:.3f} -> {curve[-1][1]:.3f} ({seconds:.0f} s)")
-            runs.append({"arm": arm, "seed": seed, "f1": curve[-1][1], "em": curve[-1][2], "curve": curve,
+            log(f"[{arm} seed {seed}] {tasks} F1 {curve[0][1]:.3f} -> {curve[-1][1]:.3f}"
+                + (f", held-out F1 {final['f1']:.3f}" if test is not None else "") + f" ({seconds:.0f} s)")  # fmt: skip
+            runs.append({"arm": arm, "seed": seed, **final, "curve": curve, "curve_tasks": tasks,
                          "misalignment": misalignment_curve(trainer.state.log_history), "seconds": seconds})  # fmt: skip
             if PartialState().is_main_process:  # what `--resume_from_checkpoint true` reuses if a later arm is stopped
                 settings_json = json.loads(settings.to_json_string())

@@ -125,7 +125,8 @@ def plot_curves(runs: list[dict[str, Any]], setup: dict[str, dict[str, Any]], pa
     if "teacher" in setup:
         ax.axhline(setup["teacher"]["f1"], color="gray", linestyle="--", linewidth=1, label="teacher")
     ax.set_xlabel("training step")
-    ax.set_ylabel("held-out F1 (greedy)")
+    tasks = {run.get("curve_tasks", "test") for run in runs}
+    ax.set_ylabel(("validation" if tasks == {"validation"} else "held-out") + " F1 (greedy)")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
