@@ -152,6 +152,12 @@ class MemOPDConfig(_BaseConfig):
             divergent token at once, and so moves the student into states it cannot yet act in (docs/results.md,
             "Why MemOPD first breaks its student"). 0 = off; it needs `teacher_generations > 0` and
             `distill_divergence_threshold > 0`.
+        distill_warmup_kl_coef (`float`, *optional*, defaults to `0.0`):
+            Weight of a KL penalty to the student's start (the frozen reference of `kl_coef`) on the student's own
+            episodes during `distill_warmup_steps`, in place of `kl_coef`. Imitating the teacher's continuations also
+            raises the student's probability of taking the teacher's branch, by generalization, before it can act
+            after it; this holds the student's own choices until the warm-up ends. 0 = off; it needs
+            `distill_warmup_steps > 0`.
 
         > Parameters that control the training
 
@@ -440,6 +446,13 @@ class MemOPDConfig(_BaseConfig):
             "than `distill_divergence_threshold`), and not on its own; 0 = off."
         },
     )
+    distill_warmup_kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the KL to the student's start on its own episodes during `distill_warmup_steps` (in "
+            "place of `kl_coef`), which holds its own choices while it learns the teacher's; 0 = off."
+        },
+    )
 
     # Parameters that control the training
     ppo_coef: float = field(default=1.0, metadata={"help": "Weight of the PPO loss (0 gives pure distillation)."})
@@ -614,6 +627,13 @@ class MemOPDConfig(_BaseConfig):
             raise ValueError(
                 f"`distill_warmup_steps` ({self.distill_warmup_steps}) distills on the teacher's own episodes only, "
                 "but `teacher_generations` is 0: set `teacher_generations` > 0, or `distill_warmup_steps=0`."
+            )
+        if self.distill_warmup_kl_coef < 0:
+            bad("distill_warmup_kl_coef", ">= 0")
+        if self.distill_warmup_kl_coef > 0 and self.distill_warmup_steps == 0:
+            raise ValueError(
+                f"`distill_warmup_kl_coef` ({self.distill_warmup_kl_coef}) weighs a KL during the distillation "
+                "warm-up, but `distill_warmup_steps` is 0: set `distill_warmup_steps` > 0, or `distill_warmup_kl_coef=0`."
             )
         if self.distill_warmup_steps > 0 and self.distill_divergence_threshold == 0:
             raise ValueError(

@@ -241,7 +241,7 @@ class MemOPDTrainer(_BaseTrainer):
         self.teacher_model = None if teacher_model is None else prepare_frozen_model(teacher_model, self.accelerator)
 
         self.ref_model = None
-        if args.kl_coef > 0 and not _is_peft(self.model):
+        if max(args.kl_coef, args.distill_warmup_kl_coef) > 0 and not _is_peft(self.model):
             self.ref_model = self._load_reference(self.accelerator.unwrap_model(self.model))
 
         self._build_scorers()
@@ -409,7 +409,7 @@ class MemOPDTrainer(_BaseTrainer):
             for name, value in self.audit(self.teacher, invocations, batch.teacher).items():
                 self._metrics["train"][name].append(value)
             rollout.seconds["audit"] = time.perf_counter() - start
-        if args.kl_coef > 0:
+        if self._kl_coef() > 0:
             start = time.perf_counter()
             with self._reference_model() as reference:
                 batch.ref_logprobs = self._sampled_logprobs(reference, batch)
@@ -520,6 +520,12 @@ class MemOPDTrainer(_BaseTrainer):
                 play.distill_mask = self._continuations_only(episodes, invocations)
         self._record_metric("time/teacher_play", time.perf_counter() - start)
         return play
+
+    def _kl_coef(self) -> float:
+        """The weight of the KL to the student's start now: `distill_warmup_kl_coef` during the distillation warm-up,
+        `kl_coef` after it."""
+        args = self.args
+        return args.distill_warmup_kl_coef if self.state.global_step < args.distill_warmup_steps else args.kl_coef
 
     def _continuations_only(self, episodes: list[Episode], invocations: list[Invocation]) -> torch.Tensor:
         """
@@ -705,7 +711,7 @@ class MemOPDTrainer(_BaseTrainer):
                 loss = loss + term
         if batch.ref_logprobs is not None:
             kl = kl_penalty(logprobs, batch.ref_logprobs[actions]).mean() * share if len(actions) else 0.0 * loss
-            loss = loss + args.kl_coef * kl
+            loss = loss + self._kl_coef() * kl
             self._loss_sums["kl_ref"] += kl.item()
         if self.value_head is not None:
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()

@@ -1283,3 +1283,37 @@ def test_distill_warmup_steps_distill_the_teachers_episodes_without_their_branch
         make_config(tmp_path, distill_warmup_steps=1, teacher_generations=1)
     with pytest.raises(ValueError, match="`distill_warmup_steps` must be >= 0"):
         make_config(tmp_path, distill_warmup_steps=-1)
+
+
+def test_distill_warmup_kl_coef_holds_the_student_to_its_start_during_the_warm_up_only(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    student = make_tiny_model(seed=0)
+    teacher = near_copy(student, seed=1, scale=0.5)
+    config = make_config(
+        tmp_path, num_generations=2, teacher_generations=1, distill_warmup_steps=1, distill_divergence_threshold=0.1,
+        distill_warmup_kl_coef=0.5, temperature=1.3, misalignment_audit_steps=0,
+    )  # fmt: skip
+    trainer = MemOPDTrainer(
+        model=student, teacher_model=teacher, args=config, train_dataset=world.records, env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    assert trainer.ref_model is not None, "the warm-up's KL needs the frozen start"
+    metrics, losses = trainer._metrics["train"], []
+    for step in (0, 1):  # in the warm-up, then after it (kl_coef is 0)
+        trainer.state.global_step = step
+        batch = trainer._prepare_inputs(world.records[:2])
+        with torch.no_grad():  # the student moved away from its start, so the KL is not 0
+            for param in student.parameters():
+                param.add_(0.05 * torch.randn_like(param))
+        metrics.clear()
+        losses.append(trainer._batch_loss(student, batch).item())
+        if step == 0:
+            assert batch.ref_logprobs is not None and metrics["kl_ref"][0] > 0
+            batch.ref_logprobs = None
+            without = trainer._batch_loss(student, batch).item()
+            assert losses[0] == pytest.approx(without + 0.5 * metrics["kl_ref"][0], rel=1e-4)
+        else:
+            assert batch.ref_logprobs is None and "kl_ref" not in metrics
+    with pytest.raises(ValueError, match="`distill_warmup_kl_coef` .* but `distill_warmup_steps` is 0"):
+        make_config(tmp_path, distill_warmup_kl_coef=1.0)
