@@ -619,6 +619,40 @@ def until_first_divergence(
     return before == torch.repeat_interleave(before[starts], lengths)  # none before it within its own action
 
 
+def without_first_divergence(logprobs: torch.Tensor, sequence_ids: torch.Tensor, threshold: float) -> torch.Tensor:
+    """
+    Every token but the first of each sequence whose log-prob is below `log(threshold)`: with the student's log-probs
+    of a teacher's episode, every token but the teacher's branch point, where the student would have gone elsewhere
+    (`MemOPDConfig.distill_warmup_steps`).
+
+    Args:
+        logprobs (`torch.Tensor` of shape `(num_tokens,)`): a model's log-prob of each token.
+        sequence_ids (`torch.Tensor` of shape `(num_tokens,)`): the sequence of each token, non-decreasing.
+        threshold (`float`): probability in (0, 1).
+
+    Returns:
+        `torch.Tensor` of shape `(num_tokens,)`, bool: `False` at each sequence's first unlikely token only.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from memopd_trl.losses import without_first_divergence
+    >>> logprobs = torch.tensor([-0.1, -5.0, -5.0, -0.1, -0.1, -0.1])
+    >>> without_first_divergence(logprobs, torch.tensor([0, 0, 0, 1, 1, 1]), threshold=0.1).tolist()
+    [True, False, True, True, True, True]
+    ```
+    """
+    _check_same_1d("without_first_divergence", logprobs=logprobs, sequence_ids=sequence_ids)
+    if not 0.0 < threshold < 1.0:
+        raise ValueError(f"without_first_divergence: `threshold` must be in (0, 1), got {threshold}.")
+    below = (logprobs.detach() < math.log(threshold)).long()
+    before = below.cumsum(0) - below  # unlikely tokens before each token, over the whole batch
+    _, lengths = torch.unique_consecutive(sequence_ids, return_counts=True)
+    starts = lengths.cumsum(0) - lengths
+    return ~((below == 1) & (before == torch.repeat_interleave(before[starts], lengths)))
+
+
 def sampled_kl_advantages(teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     """
     Per-token reward of on-policy distillation with sampled tokens: `log q(a) - log p(a)` at each sampled action `a`,

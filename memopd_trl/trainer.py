@@ -21,7 +21,6 @@ The trainer orchestrates; the maths lives in `losses.py`, the packing in `packin
 """
 
 import copy
-import math
 import os
 import time
 from collections import defaultdict
@@ -63,6 +62,7 @@ from .losses import (
     ppo_clip_loss,
     sampled_kl_advantages,
     until_first_divergence,
+    without_first_divergence,
     value_loss,
 )
 from .model_card import PAPER, build_model_card, hub_network_errors, hub_unreachable_error
@@ -412,7 +412,7 @@ class MemOPDTrainer(_BaseTrainer):
         if self._kl_coef() > 0:
             start = time.perf_counter()
             with self._reference_model() as reference:
-                batch.ref_logprobs = self._sampled_logprobs(reference, batch)
+                batch.ref_logprobs = self._sampled_logprobs(reference, batch.rows, batch.packed)
             rollout.seconds["reference"] = time.perf_counter() - start
         return batch
 
@@ -436,13 +436,14 @@ class MemOPDTrainer(_BaseTrainer):
             batch.advantages = batch.advantages + args.sampled_kl_coef * token_rewards
             self._metrics["train"]["distill/sampled_reverse_kl"].append(-token_rewards.mean().item())
 
-    def _sampled_logprobs(self, model: nn.Module, batch: ScoredBatch) -> torch.Tensor:
-        """`(N,)`: `model`'s log-prob of each sampled token at the sampling temperature, on the student's rows (no
-        grad): the reference's for the KL term, or the student's own at the rollout."""
+    def _sampled_logprobs(self, model: nn.Module, rows: list[dict], packed: dict) -> torch.Tensor:
+        """`(N,)`: `model`'s log-prob of each sampled token of `packed` (forwarded as `rows`) at the sampling
+        temperature (no grad): the reference's for the KL term, the student's own at the rollout or on the teacher's
+        episodes."""
         args = self.args
         with torch.no_grad():
-            hidden = rows_action_hidden_states(model, batch.rows)  # (N, H)
-            action_ids = action_token_ids(batch.packed)
+            hidden = rows_action_hidden_states(model, rows)  # (N, H)
+            action_ids = action_token_ids(packed)
             vocab, chunk = self.vocab_size, args.logit_chunk_size
             return sampled_token_logprobs(model, hidden, action_ids, vocab, args.temperature, chunk)  # (N,)
 
@@ -454,7 +455,7 @@ class MemOPDTrainer(_BaseTrainer):
         """
         args = self.args
         batch.sampling_logprobs = batch.old_logprobs
-        batch.old_logprobs = self._sampled_logprobs(self.accelerator.unwrap_model(self.model), batch)
+        batch.old_logprobs = self._sampled_logprobs(self.accelerator.unwrap_model(self.model), batch.rows, batch.packed)
         batch.sampling_weights = importance_sampling_weights(
             batch.old_logprobs, batch.sampling_logprobs, batch.sequence_ids, mode=args.importance_sampling_mode,
             clip_min=args.importance_sampling_clip_min, clip_max=args.importance_sampling_clip_max,
@@ -528,28 +529,14 @@ class MemOPDTrainer(_BaseTrainer):
         return args.distill_warmup_kl_coef if self.state.global_step < args.distill_warmup_steps else args.kl_coef
 
     def _continuations_only(self, episodes: list[Episode], invocations: list[Invocation]) -> torch.Tensor:
-        """
-        `(N_play,)`: the teacher's action tokens that the warm-up distills, every one but each episode's first that the
-        student gives a probability below `distill_divergence_threshold`: its branch point. The student learns to act
-        in the states the teacher's branch leads to before it is taught to take the branch (no grad). Collective when
-        sharded.
-        """
-        model = self.accelerator.unwrap_model(self.model)
+        """`(N_play,)`: the teacher's action tokens the warm-up distills, all but each episode's branch point
+        (`losses.without_first_divergence` on the student's log-probs): the student learns to act in the states the
+        teacher's choices lead to before it is taught to make them. Collective when sharded."""
         packed = send_to_device(self.collator(invocations), self.accelerator.device)
-        with torch.no_grad():
-            hidden = rows_action_hidden_states(model, self._forward_rows(packed))
-            logprobs = sampled_token_logprobs(
-                model, hidden, action_token_ids(packed), self.vocab_size, self.args.temperature,
-                self.args.logit_chunk_size,
-            )  # fmt: skip
-        below = (logprobs < math.log(self.args.distill_divergence_threshold)).tolist()
-        keep, position = [], 0
-        for episode in episodes:
-            count = sum(len(invocation.output_ids) for invocation in episode.invocations)
-            branch = next((i for i in range(count) if below[position + i]), None)
-            keep += [i != branch for i in range(count)]
-            position += count
-        mask = torch.tensor(keep, dtype=torch.bool, device=logprobs.device)
+        logprobs = self._sampled_logprobs(self.accelerator.unwrap_model(self.model), self._forward_rows(packed), packed)
+        lengths = torch.tensor([sum(len(inv.output_ids) for inv in episode.invocations) for episode in episodes])
+        episode_ids = torch.repeat_interleave(torch.arange(len(episodes)), lengths).to(logprobs.device)
+        mask = without_first_divergence(logprobs, episode_ids, self.args.distill_divergence_threshold)
         self._record_metric("distill/warmup_branch_tokens", float((~mask).sum()))
         return mask
 

@@ -841,3 +841,20 @@ def test_group_normalized_advantages_scale_like_trl_scale_rewards():
     torch.testing.assert_close(group_normalized_advantages(rewards, groups, eps=0.0, scale=False), none)
     with pytest.raises(ValueError, match="`scale` must be"):
         group_normalized_advantages(rewards, groups, scale="std")
+
+
+def test_without_first_divergence_drops_each_sequences_first_unlikely_token_only():
+    from memopd_trl.losses import without_first_divergence
+
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(200, generator=generator) * 4  # about half below log(0.1)
+    sequence_ids = torch.sort(torch.randint(0, 12, (200,), generator=generator)).values
+    mask = without_first_divergence(logprobs, sequence_ids, threshold=0.1)
+    expected = []
+    for sequence in sequence_ids.unique_consecutive():
+        values = logprobs[sequence_ids == sequence]
+        below = [i for i, value in enumerate(values.tolist()) if value < math.log(0.1)]
+        expected += [not below or i != below[0] for i in range(len(values))]
+    assert mask.tolist() == expected and (~mask).sum() == len(sequence_ids.unique())
+    with pytest.raises(ValueError, match="threshold"):
+        without_first_divergence(logprobs, sequence_ids, threshold=0.0)
