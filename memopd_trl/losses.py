@@ -608,15 +608,23 @@ def until_first_divergence(
     ```
     """
     _check_same_1d("until_first_divergence", teacher_logprobs=teacher_logprobs, sequence_ids=sequence_ids)
+    return _unlikely_before("until_first_divergence", teacher_logprobs, sequence_ids, threshold)[1]
+
+
+def _unlikely_before(
+    where: str, logprobs: torch.Tensor, sequence_ids: torch.Tensor, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(num_tokens,)` bools: whether each token's log-prob is below `log(threshold)`, and whether no earlier token of
+    its own sequence is."""
     if not 0.0 < threshold < 1.0:
-        raise ValueError(f"until_first_divergence: `threshold` must be in (0, 1), got {threshold}.")
+        raise ValueError(f"{where}: `threshold` must be in (0, 1), got {threshold}.")
     if sequence_ids.numel() and bool((sequence_ids[1:] < sequence_ids[:-1]).any()):
-        raise ValueError("until_first_divergence: `sequence_ids` must be non-decreasing (the canonical action order).")
-    below = (teacher_logprobs.detach() < math.log(threshold)).long()
+        raise ValueError(f"{where}: `sequence_ids` must be non-decreasing (the canonical action order).")
+    below = (logprobs.detach() < math.log(threshold)).long()
     before = below.cumsum(0) - below  # unlikely tokens before each token, over the whole batch
     _, lengths = torch.unique_consecutive(sequence_ids, return_counts=True)
-    starts = lengths.cumsum(0) - lengths  # each action's first token
-    return before == torch.repeat_interleave(before[starts], lengths)  # none before it within its own action
+    starts = lengths.cumsum(0) - lengths  # each sequence's first token
+    return below.bool(), before == torch.repeat_interleave(before[starts], lengths)
 
 
 def without_first_divergence(logprobs: torch.Tensor, sequence_ids: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -644,13 +652,8 @@ def without_first_divergence(logprobs: torch.Tensor, sequence_ids: torch.Tensor,
     ```
     """
     _check_same_1d("without_first_divergence", logprobs=logprobs, sequence_ids=sequence_ids)
-    if not 0.0 < threshold < 1.0:
-        raise ValueError(f"without_first_divergence: `threshold` must be in (0, 1), got {threshold}.")
-    below = (logprobs.detach() < math.log(threshold)).long()
-    before = below.cumsum(0) - below  # unlikely tokens before each token, over the whole batch
-    _, lengths = torch.unique_consecutive(sequence_ids, return_counts=True)
-    starts = lengths.cumsum(0) - lengths
-    return ~((below == 1) & (before == torch.repeat_interleave(before[starts], lengths)))
+    below, none_before = _unlikely_before("without_first_divergence", logprobs, sequence_ids, threshold)
+    return ~(below & none_before)
 
 
 def sampled_kl_advantages(teacher_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
