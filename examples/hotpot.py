@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Train and evaluate every arm x seed from the same start (resumable: --resume_from_checkpoint true).
     log(f"[arms] {', '.join(args.arms)} x seeds {args.seeds}: {config.max_steps} steps each")
-    runs = run_arms(build_trainer, config, args, test=test)  # the start's curve score is measured by the first arm
+    runs = run_arms(build_trainer, config, args, test=test)
 
     # Report.
     command = "examples/hotpot.py " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -217,7 +217,6 @@ def run_arms(
     build_trainer: Callable[[MemOPDConfig], MemOPDTrainer],
     config: MemOPDConfig,
     args: ComparisonArguments,
-    start: dict[str, float] | None = None,
     test: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """
@@ -234,8 +233,6 @@ def run_arms(
         build_trainer (`Callable[[MemOPDConfig], MemOPDTrainer]`): a fresh trainer of the start for an arm's config.
         config (`MemOPDConfig`): the settings every arm changes (`ARMS`).
         args (`ComparisonArguments`): the arms, seeds and `save_models`.
-        start (`dict[str, float]`, *optional*): the start's `f1` and `em` on the trainer's evaluation tasks (every
-            curve's step 0); measured by the first arm when not given.
         test (`list[dict]`, *optional*): the held-out tasks of the final scores; without them the final scores are
             the curve's last point.
 
@@ -245,6 +242,7 @@ def run_arms(
         audit (`misalignment`) and the training time (`seconds`).
     """
     runs, resume = [], config.resume_from_checkpoint
+    start = None  # the start's f1 and em on the trainer's evaluation tasks (every curve's step 0), measured once
     for seed in args.seeds:
         for arm in args.arms:
             settings = arm_config(config, arm, seed)
