@@ -11,27 +11,11 @@ from pathlib import Path
 import pytest
 
 from memopd_trl.envs.hotpot import HotpotQAEnv
-from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world
+from offline_lab import build_tokenizer, make_synthetic_world
+from tiny_models import TOKENIZER_TEXTS, tiny_causal_lm
 
 
 HOTPOT_SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "hotpotqa_dev_distractor_sample.json"
-
-# A small, fixed, HotpotQA-flavoured corpus: enough to train a few hundred merges.
-TOKENIZER_TEXTS = [
-    "Paris is the capital and most populous city of France.",
-    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France.",
-    "Marie Curie was a Polish and naturalised-French physicist and chemist who conducted research on radioactivity.",
-    "Which city is the capital of the country where the Eiffel Tower stands?",
-    "Were Marie Curie and Pierre Curie both born in France?",
-    "The Danube is the second-longest river in Europe, after the Volga.",
-    "Ludwig van Beethoven was a German composer and pianist born in Bonn in 1770.",
-    "Who was born first, Ludwig van Beethoven or Wolfgang Amadeus Mozart?",
-    "Mozart was born in Salzburg in 1756 and composed more than 800 works.",
-    "The Great Wall of China is a series of fortifications built across northern China.",
-    "Is the Danube longer than the Rhine?",
-    "The Rhine flows from the Swiss Alps to the North Sea through Germany and the Netherlands.",
-    "no answer yes the a an of in on to from by with and or",
-] * 4
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +36,7 @@ def tiny_tokenizer():
 def make_tiny_model(tiny_tokenizer) -> Callable:
     """
     Returns a function building a fresh tiny causal LM sized to `tiny_tokenizer`: hidden 32, 1 layer, Qwen2 by
-    default; keyword arguments go to `build_tiny_model` (e.g. `architecture="llama"`, `seed=1`).
+    default; keyword arguments go to `tiny_models.tiny_causal_lm` (e.g. `architecture="llama"`, `seed=1`).
     """
 
     def make(**kwargs):
@@ -66,7 +50,7 @@ def make_tiny_model(tiny_tokenizer) -> Callable:
             "eos_token_id": tiny_tokenizer.eos_token_id,
         }
         settings.update(kwargs)
-        return build_tiny_model(**settings)
+        return tiny_causal_lm(**settings)
 
     return make
 

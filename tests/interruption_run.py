@@ -26,10 +26,9 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the offline lab
 
-from conftest import TOKENIZER_TEXTS  # noqa: E402
-
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
+from offline_lab import build_tokenizer, make_synthetic_world  # noqa: E402
+from tiny_models import TOKENIZER_TEXTS, tiny_causal_lm  # noqa: E402
 
 
 MAX_STEPS = 4
@@ -56,8 +55,8 @@ def build_trainer(
     if save_best:
         args.save_strategy, args.metric_for_best_model = "best", "eval_f1"
     return MemOPDTrainer(
-        model=build_tiny_model(seed=0, **sizes),
-        teacher_model=build_tiny_model(seed=1, **sizes),
+        model=tiny_causal_lm(seed=0, **sizes),
+        teacher_model=tiny_causal_lm(seed=1, **sizes),
         args=args,
         train_dataset=world.records,
         eval_dataset=world.records[:4] if eval_steps else None,

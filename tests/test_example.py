@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import offline_lab
-from offline_lab import build_tiny_model
+from tiny_models import tiny_causal_lm
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +190,7 @@ def test_real_mode_trains_local_checkpoints_on_a_local_hotpotqa_file(
     hotpot, tmp_path, tiny_tokenizer, hotpot_sample_path
 ):
     for name, hidden in (("student", 32), ("teacher", 48)):
-        model = build_tiny_model(
+        model = tiny_causal_lm(
             len(tiny_tokenizer), hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_id=tiny_tokenizer.eos_token_id,
         )  # fmt: skip

@@ -16,7 +16,8 @@ from teacher_server import serve_teacher
 from transformers import TrainerCallback
 
 from memopd_trl.teacher import TeacherServerError
-from offline_lab import build_tiny_model, make_synthetic_world
+from offline_lab import make_synthetic_world
+from tiny_models import tiny_causal_lm
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def test_a_sigterm_then_resume_reaches_the_uninterrupted_runs_weights(hotpot, tm
 def real_mode_run(tmp_path: Path, tokenizer, url: str, output_dir: Path) -> list[str]:
     """Real mode on local checkpoints and a local HotpotQA-format file, the teacher on the server at `url`."""
     if not (tmp_path / "student").exists():
-        model = build_tiny_model(
+        model = tiny_causal_lm(
             len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, seed=0,
         )  # fmt: skip

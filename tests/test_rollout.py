@@ -12,7 +12,8 @@ from memopd_trl.envs.base import MemoryAgentEnv
 from memopd_trl.metrics import exact_match, qa_f1
 from memopd_trl.rollout import GeneratedAction, RolloutEngine, _StopOnText, find_stop
 from memopd_trl.vllm_backend import VLLMBackend
-from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world
+from offline_lab import build_tokenizer, make_synthetic_world
+from tiny_models import tiny_causal_lm
 
 
 CORPUS = {
@@ -682,7 +683,7 @@ def test_rollout_plays_hotpotqa_env_on_the_synthetic_world():
     hotpot = pytest.importorskip("memopd_trl.envs.hotpot", reason="memopd_trl.envs.hotpot is not available yet")
     world = make_synthetic_world(num_questions=3, seed=0)
     tokenizer = build_tokenizer(world.texts(), vocab_size=600)
-    model = build_tiny_model(len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, seed=7)
+    model = tiny_causal_lm(len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, seed=7)
     env_factory = hotpot.HotpotQAEnv.factory(corpus=world.corpus, max_turns=2)
     engine = RolloutEngine(model, tokenizer, env_factory, max_new_tokens=8, temperature=0.7)
     torch.manual_seed(0)

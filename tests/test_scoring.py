@@ -25,7 +25,7 @@ from memopd_trl.scoring import (
     lm_head_params,
     packed_hidden_states,
 )
-from offline_lab import build_tiny_model
+from tiny_models import tiny_causal_lm
 
 
 VOCAB = 256
@@ -66,7 +66,7 @@ _MODELS: dict = {}
 def tiny_model(architecture: str = "qwen2", attn_implementation: str = "sdpa", seed: int = 0):
     key = (architecture, attn_implementation, seed)
     if key not in _MODELS:
-        _MODELS[key] = build_tiny_model(
+        _MODELS[key] = tiny_causal_lm(
             VOCAB, architecture=architecture, attn_implementation=attn_implementation, seed=seed
         )
     return _MODELS[key]
@@ -283,7 +283,7 @@ def test_wrapped_model_is_scored_through_its_own_forward(invocations, packed):
 
 def test_peft_model_with_a_trained_head_copy_matches_its_own_full_forward(invocations, packed):
     peft = pytest.importorskip("peft")
-    base = build_tiny_model(VOCAB, seed=3)
+    base = tiny_causal_lm(VOCAB, seed=3)
     config = peft.LoraConfig(
         r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"], init_lora_weights=False
     )
@@ -297,7 +297,7 @@ def test_peft_model_with_a_trained_head_copy_matches_its_own_full_forward(invoca
 
 def test_peft_adapter_on_the_lm_head_is_refused(packed):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(build_tiny_model(VOCAB, seed=4), peft.LoraConfig(r=4, target_modules=["lm_head"]))
+    model = peft.get_peft_model(tiny_causal_lm(VOCAB, seed=4), peft.LoraConfig(r=4, target_modules=["lm_head"]))
     with pytest.raises(ValueError, match="LM head carries a PEFT adapter"):
         lm_head_params(model)
 
@@ -324,7 +324,7 @@ def test_flash_varlen_fields_keep_invocations_apart_across_several_rows(invocati
     name = "memopd_reference_varlen"
     AttentionInterface.register(name, _reference_varlen_attention)
     monkeypatch.setattr(scoring, "VARLEN_ATTENTION_IMPLEMENTATIONS", {name})
-    model = build_tiny_model(VOCAB, architecture="qwen2", seed=0)
+    model = tiny_causal_lm(VOCAB, architecture="qwen2", seed=0)
     model.set_attn_implementation(name)
     assert packed["input_ids"].shape[0] > 1
     with torch.no_grad():
@@ -351,7 +351,7 @@ def test_the_varlen_attention_is_registered_by_its_function_only_and_again_chang
 
 
 def test_varlen_sdpa_student_gradients_equal_those_of_sdpa(packed):
-    sdpa, varlen = build_tiny_model(VOCAB, seed=5), build_tiny_model(VOCAB, seed=5, attn_implementation=VARLEN_SDPA)
+    sdpa, varlen = tiny_causal_lm(VOCAB, seed=5), tiny_causal_lm(VOCAB, seed=5, attn_implementation=VARLEN_SDPA)
     for model in (sdpa, varlen):
         action_logprobs(model, packed, chunk_size=8).mean().backward()
     for (name, a), b in zip(sdpa.named_parameters(), varlen.parameters(), strict=True):
@@ -359,7 +359,7 @@ def test_varlen_sdpa_student_gradients_equal_those_of_sdpa(packed):
 
 
 def test_varlen_sdpa_without_varlen_fields_is_plain_sdpa_for_padding_and_generation(invocations):
-    sdpa, varlen = tiny_model("llama"), build_tiny_model(VOCAB, architecture="llama", attn_implementation=VARLEN_SDPA)
+    sdpa, varlen = tiny_model("llama"), tiny_causal_lm(VOCAB, architecture="llama", attn_implementation=VARLEN_SDPA)
     padded = PaddedInvocationCollator()(invocations)
     prompts = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
     attention_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # left padding, as in batched generation

@@ -13,7 +13,8 @@ from accelerate.utils import DistributedType
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer
 from memopd_trl.sharding import check_strategy, requested_strategy
-from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world
+from offline_lab import build_tokenizer, make_synthetic_world
+from tiny_models import tiny_causal_lm
 
 
 pytestmark = pytest.mark.subprocess  # starts other processes: deselect with -m "not subprocess"
@@ -178,7 +179,7 @@ def test_trainer_refuses_fsdp_on_a_single_process(monkeypatch, tmp_path):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     world = make_synthetic_world(4, seed=0)
     tokenizer = build_tokenizer(world.texts(), vocab_size=320)
-    model = build_tiny_model(len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+    model = tiny_causal_lm(len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                              num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     with pytest.raises(ValueError, match="single process that shards nothing"):

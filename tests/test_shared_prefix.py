@@ -24,7 +24,7 @@ from memopd_trl.packing import (
 )
 from memopd_trl.records import Invocation
 from memopd_trl.scoring import action_log_distributions, action_logprobs, full_logits_action_logprobs
-from offline_lab import build_tiny_model
+from tiny_models import tiny_causal_lm
 
 
 VOCAB = 256
@@ -70,7 +70,7 @@ def plain(invocations, **kwargs) -> dict:
 
 
 def model(architecture="qwen2", attn_implementation="sdpa", seed=0):
-    return build_tiny_model(VOCAB, architecture=architecture, attn_implementation=attn_implementation, seed=seed)
+    return tiny_causal_lm(VOCAB, architecture=architecture, attn_implementation=attn_implementation, seed=seed)
 
 
 # ----- layout -----------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the offline lab
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: its tiny models
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -33,7 +33,7 @@ from memopd_trl.losses import chunked_generalized_jsd, ppo_clip_loss  # noqa: E4
 from memopd_trl.packing import PackedInvocationCollator  # noqa: E402
 from memopd_trl.records import Invocation  # noqa: E402
 from memopd_trl.scoring import action_hidden_states, action_logprobs_from_hidden, action_token_ids, gathered_lm_head  # noqa: E402
-from offline_lab import build_tiny_model  # noqa: E402
+from tiny_models import tiny_causal_lm  # noqa: E402
 
 
 VOCAB = 203  # odd: the two shards of a head have different numbers of rows
@@ -70,10 +70,10 @@ def main() -> int:
     else:
         dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    student = build_tiny_model(VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=1, seed=0)  # fmt: skip
-    teacher = build_tiny_model(VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=1, seed=1).requires_grad_(False)  # fmt: skip
+    student = tiny_causal_lm(VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, seed=0)  # fmt: skip
+    teacher = tiny_causal_lm(VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, seed=1).requires_grad_(False)  # fmt: skip
     generator = torch.Generator().manual_seed(0)
 
     def ids(n):

@@ -25,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: its tiny models
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the offline lab
 
 import torch  # noqa: E402
@@ -34,7 +35,8 @@ from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
 import memopd_trl.trainer as trainer_module  # noqa: E402
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
+from offline_lab import build_tokenizer, make_synthetic_world  # noqa: E402
+from tiny_models import tiny_causal_lm  # noqa: E402
 
 
 class FakeEngine:
@@ -115,8 +117,8 @@ def run_case(name: str, state: PartialState) -> list[str]:
     shape = dict(
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id
     )
-    student = build_tiny_model(len(tokenizer), hidden_size=32, eos_token_id=tokenizer.eos_token_id, seed=0, **shape)
-    teacher = build_tiny_model(len(tokenizer), hidden_size=48, eos_token_id=tokenizer.eos_token_id, seed=1, **shape)
+    student = tiny_causal_lm(len(tokenizer), hidden_size=32, eos_token_id=tokenizer.eos_token_id, seed=0, **shape)
+    teacher = tiny_causal_lm(len(tokenizer), hidden_size=48, eos_token_id=tokenizer.eos_token_id, seed=1, **shape)
     peft_config = None
     if name == "lora":
         from peft import LoraConfig

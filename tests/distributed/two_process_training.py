@@ -19,13 +19,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: its tiny models
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the offline lab
 
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 
 from memopd_trl import HotpotQAEnv, MemOPDConfig, MemOPDTrainer  # noqa: E402
-from offline_lab import build_tiny_model, build_tokenizer, make_synthetic_world  # noqa: E402
+from offline_lab import build_tokenizer, make_synthetic_world  # noqa: E402
+from tiny_models import tiny_causal_lm  # noqa: E402
 
 
 class PayingEnv(HotpotQAEnv):
@@ -46,7 +48,7 @@ def main() -> int:
     tokenizer = build_tokenizer(world.texts(), vocab_size=512)
 
     def model(seed: int, hidden: int):
-        return build_tiny_model(
+        return tiny_causal_lm(
             len(tokenizer), hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, seed=seed,
         )

@@ -2,10 +2,12 @@
 
 import pytest
 import torch
-from test_rollout import CORPUS, RECORDS, factory, rescored_logprobs
 
+from memopd_trl.envs.hotpot import HotpotQAEnv
 from memopd_trl.envs.multi import multi_objective_max_turns
+from memopd_trl.packing import PackedInvocationCollator
 from memopd_trl.rollout import RolloutEngine
+from memopd_trl.scoring import action_logprobs
 from offline_lab import (
     OfflineConfig,
     SyntheticExpert,
@@ -109,22 +111,33 @@ def test_expert_labels_need_the_episodes_records(engines):
         expert_labels(student, episodes, world.train[1:2], SyntheticExpert())
 
 
-# ----- takeover: a second model finishes the episodes (on the hand-made environment of test_rollout) -----------------
-def test_takeover_plays_the_first_model_before_the_turn_and_the_second_from_it(make_tiny_model, tiny_tokenizer):
+# ----- takeover: a second model finishes the episodes ----------------------------------------------------------------
+def factory(world, **kwargs):
+    return HotpotQAEnv.factory(corpus=world.corpus, top_k=1, system_prompt="Act.", **kwargs)
+
+
+def rescored_logprobs(model, invocation, temperature):
+    """The log-prob `model` gives each token `invocation` generated, in the invocation's own context."""
+    with torch.no_grad():
+        return action_logprobs(model, PackedInvocationCollator()([invocation]), temperature=temperature)
+
+
+def test_takeover_plays_the_first_model_before_the_turn_and_the_second_from_it(make_tiny_model, tiny_tokenizer, world):
+    records = world.records[:3]
     first, second = (
-        RolloutEngine(make_tiny_model(seed=seed), tiny_tokenizer, factory(max_turns=3, max_malformed=3),
+        RolloutEngine(make_tiny_model(seed=seed), tiny_tokenizer, factory(world, max_turns=3, max_malformed=3),
                       max_new_tokens=8, temperature=0.7)
         for seed in (1, 2)
     )  # fmt: skip
-    own_first, _ = first.rollout(RECORDS, greedy=True)
-    own_second, _ = second.rollout(RECORDS, greedy=True)
+    own_first, _ = first.rollout(records, greedy=True)
+    own_second, _ = second.rollout(records, greedy=True)
     assert _ids(own_first) != _ids(own_second), "the two models must act differently for the test to mean anything"
-    at_start, _ = takeover_rollout(first, second, RECORDS, takeover_turn=0)
+    at_start, _ = takeover_rollout(first, second, records, takeover_turn=0)
     assert _ids(at_start) == _ids(own_second)
-    never, _ = takeover_rollout(first, second, RECORDS, takeover_turn=3)
+    never, _ = takeover_rollout(first, second, records, takeover_turn=3)
     assert _ids(never) == _ids(own_first)
 
-    middle, _ = takeover_rollout(first, second, RECORDS, takeover_turn=1)
+    middle, _ = takeover_rollout(first, second, records, takeover_turn=1)
     for episode, alone in zip(middle, own_first, strict=True):
         assert episode.info["takeover_turn"] == 1 and episode.num_turns == 3
         assert _ids([episode])[0][0] == _ids([alone])[0][0], "turn 0 is the first model's"
@@ -132,18 +145,19 @@ def test_takeover_plays_the_first_model_before_the_turn_and_the_second_from_it(m
             expected = rescored_logprobs(second.model, invocation, temperature=0.7)
             torch.testing.assert_close(torch.tensor(invocation.logprobs), expected, atol=1e-4, rtol=0)
             assert not torch.allclose(rescored_logprobs(first.model, invocation, 0.7), expected, atol=1e-3)
-    again, _ = first.rollout(RECORDS, greedy=True)
+    again, _ = first.rollout(records, greedy=True)
     assert _ids(again) == _ids(own_first), "the first engine plays alone again after a takeover"
 
 
-def test_takeover_arguments_are_checked(tiny_model, tiny_tokenizer):
-    engine = RolloutEngine(tiny_model, tiny_tokenizer, factory(max_turns=2))
+def test_takeover_arguments_are_checked(tiny_model, tiny_tokenizer, world):
+    records = world.records[:2]
+    engine = RolloutEngine(tiny_model, tiny_tokenizer, factory(world, max_turns=2))
     with pytest.raises(TypeError, match="`takeover` must be a RolloutEngine"):
-        takeover_rollout(engine, tiny_model, RECORDS, takeover_turn=1)
+        takeover_rollout(engine, tiny_model, records, takeover_turn=1)
     with pytest.raises(ValueError, match="`takeover_turn` must be an int >= 0"):
-        takeover_rollout(engine, engine, RECORDS, takeover_turn=-1)
-    other_tokenizer = build_tokenizer([*CORPUS.values(), *(r["question"] for r in RECORDS)], vocab_size=300)
+        takeover_rollout(engine, engine, records, takeover_turn=-1)
+    other_tokenizer = build_tokenizer(world.texts(), vocab_size=300)
     other = RolloutEngine(build_tiny_model(len(other_tokenizer), hidden_size=32, num_hidden_layers=1),
-                          other_tokenizer, factory(max_turns=2))  # fmt: skip
+                          other_tokenizer, factory(world, max_turns=2))  # fmt: skip
     with pytest.raises(ValueError, match="`takeover` has another tokenizer"):
-        takeover_rollout(engine, other, RECORDS, takeover_turn=0)
+        takeover_rollout(engine, other, records, takeover_turn=0)
