@@ -10,7 +10,7 @@ evaluation (step 0 is the start), and optionally `misalignment`, the `[step, {tu
 >>> print(format_table(summarize(runs), setup={}))
 | model | held-out F1 | held-out EM | seeds |
 |---|---:|---:|---:|
-| ppo | 0.300 ± 0.141 | 0.300 ± 0.141 | 2 |
+| ppo (PPO on the final F1 only, no teacher) | 0.300 ± 0.141 | 0.300 ± 0.141 | 2 |
 """
 
 import json
@@ -76,9 +76,33 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
+def describe(name: str, setup: dict[str, dict[str, Any]]) -> str:
+    """
+    What a row of the table is: a set-up role or an arm, named with what it rests on (the teacher's layouts, the start
+    it came from). Unknown names are returned as they are.
+    """
+    teacher = setup.get("teacher", {})
+    layouts = "both layouts" if "full_history_f1" in teacher else "compact contexts only"
+    if name == "teacher":
+        return f"teacher (imitated the full-memory expert, {layouts})"
+    if name == "student_init":
+        start = setup.get("student_init", {})
+        if start.get("from_teacher") is None:
+            return "student start"
+        origin = "the teacher's weights" if start["from_teacher"] else "the shared pretraining"
+        return f"student start (from {origin}, taught the forgetful expert)"
+    arms = {
+        "ppo": "ppo (PPO on the final F1 only, no teacher)",
+        "memopd": "memopd (aligned: teacher scores each action in the student's state)",
+        "memopd_persistent": f"memopd_persistent (control: teacher scores the flattened history; it saw {layouts})",
+    }
+    return arms.get(name, name)
+
+
 def format_table(summary: dict[str, dict[str, Any]], setup: dict[str, dict[str, Any]]) -> str:
     """
-    A markdown table of held-out F1 / EM: the set-up's models first, then each arm's mean ± std over seeds.
+    A markdown table of held-out F1 / EM: the set-up's models first, then each arm's mean ± std over seeds, each row
+    named for what it is ([`describe`]).
 
     Returns:
         `str`: the table, one row per model.
@@ -86,12 +110,10 @@ def format_table(summary: dict[str, dict[str, Any]], setup: dict[str, dict[str, 
     lines = ["| model | held-out F1 | held-out EM | seeds |", "|---|---:|---:|---:|"]
     for role in ("teacher", "student_init"):
         if role in setup:
-            lines.append(f"| {role} | {setup[role]['f1']:.3f} | {setup[role]['em']:.3f} | - |")
+            lines.append(f"| {describe(role, setup)} | {setup[role]['f1']:.3f} | {setup[role]['em']:.3f} | - |")
     for arm, s in summary.items():
-        n = len(s["f1_per_seed"])
-        lines.append(
-            f"| {arm} | {s['f1_mean']:.3f} ± {s['f1_std']:.3f} | {s['em_mean']:.3f} ± {s['em_std']:.3f} | {n} |"
-        )
+        n, f1, em = len(s["f1_per_seed"]), f"{s['f1_mean']:.3f} ± {s['f1_std']:.3f}", f"{s['em_mean']:.3f} ± {s['em_std']:.3f}"
+        lines.append(f"| {describe(arm, setup)} | {f1} | {em} | {n} |")
     return "\n".join(lines)
 
 

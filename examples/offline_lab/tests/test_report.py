@@ -6,6 +6,7 @@ import statistics
 import pytest
 
 from offline_lab.report import (
+    describe,
     eval_curve,
     format_table,
     misalignment_curve,
@@ -78,11 +79,23 @@ def test_summary_is_the_mean_and_sample_std_over_seeds_in_first_arm_order():
 def test_table_lists_the_setup_then_every_arm():
     lines = format_table(summarize(RUNS), SETUP).splitlines()
     assert lines[:2] == ["| model | held-out F1 | held-out EM | seeds |", "|---|---:|---:|---:|"]
-    assert lines[2] == "| teacher | 0.800 | 0.700 | - |"
-    assert lines[3] == "| student_init | 0.100 | 0.000 | - |"
-    assert lines[4] == "| ppo | 0.300 ± 0.141 | 0.200 ± 0.141 | 2 |"
-    assert lines[5].startswith("| memopd | 0.600 ± 0.141 |") and len(lines) == 6
+    assert lines[2] == "| teacher (imitated the full-memory expert, compact contexts only) | 0.800 | 0.700 | - |"
+    assert lines[3] == "| student start | 0.100 | 0.000 | - |"
+    assert lines[4] == "| ppo (PPO on the final F1 only, no teacher) | 0.300 ± 0.141 | 0.200 ± 0.141 | 2 |"
+    assert lines[5].startswith("| memopd (aligned: teacher scores each action in the student's state) | 0.600 ± 0.141 |")
+    assert len(lines) == 6
     assert len(format_table(summarize(RUNS), {}).splitlines()) == 4
+
+
+def test_each_row_is_named_for_what_it_rests_on():
+    setup = {"teacher": {"f1": 0.8, "em": 0.7, "full_history_f1": 0.7}, "student_init": {"f1": 0.1, "em": 0.0, "from_teacher": False}}
+    lines = format_table(summarize([{**RUNS[0], "arm": "memopd_persistent"}]), setup).splitlines()
+    assert lines[2].startswith("| teacher (imitated the full-memory expert, both layouts) |")
+    assert lines[3].startswith("| student start (from the shared pretraining, taught the forgetful expert) |")
+    assert lines[4].startswith("| memopd_persistent (control: teacher scores the flattened history; it saw both layouts) |")
+    from_teacher = {"student_init": {"from_teacher": True}}
+    assert describe("student_init", from_teacher) == "student start (from the teacher's weights, taught the forgetful expert)"
+    assert describe("configured", setup) == "configured"
 
 
 def test_write_report_writes_results_and_the_plot(tmp_path):
