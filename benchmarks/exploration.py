@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import hotpot  # noqa: E402
+from trough import load_setup  # noqa: E402  (this script's folder is on sys.path)
 
 import offline_lab as offline  # noqa: E402
 from memopd_trl.rollout import RolloutEngine  # noqa: E402
@@ -75,15 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     ours, rest = own.parse_known_args(argv)
     if ours.group_size < 2 or any(t <= 0 for t in ours.temperatures):
         raise SystemExit("--group_size must be at least 2 and every temperature > 0.")
-    args, config, _ = hotpot.parse_args(rest)
-    offline.set_cpu_threads(args.cpu_threads)
-    output_dir = Path(config.output_dir)
-    world = offline.make_offline_world(args, **args.env_settings())
-    generation = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
-    offline.prepare_offline_models(args, world, output_dir, **generation)
-    _, validation = offline.validation_tasks(world, args)
+    args, _, output_dir, world, generation, _, validation, tokenizer = load_setup(rest)
     tasks = validation[: ours.num_tasks]
-    tokenizer = offline.load_offline_tokenizer(output_dir / "teacher")
     start = offline.load_offline_model(output_dir / "student_init").eval()
     seed = args.seeds[0]
     sizes = tuple(size for size in (4, 8) if size < ours.group_size) + (ours.group_size,)

@@ -170,6 +170,23 @@ def mean_logprobs(rows: list[dict], names: list[str]) -> dict:
             for key, group in sorted(cells.items())}  # fmt: skip
 
 
+def load_setup(argv: list[str]) -> tuple:
+    """
+    The main job's arguments (`argv`: any flag of examples/hotpot.py) and its cached set-up, built when missing:
+    `(args, config, output_dir, world, generation, train, validation, tokenizer)`, where `generation` holds the
+    rollout's length limits and `train` / `validation` are `offline_lab.validation_tasks`.
+    """
+    args, config, _ = hotpot.parse_args(argv)
+    offline.set_cpu_threads(args.cpu_threads)
+    output_dir = Path(config.output_dir)
+    world = offline.make_offline_world(args, **args.env_settings())
+    generation = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
+    offline.prepare_offline_models(args, world, output_dir, **generation)
+    train, validation = offline.validation_tasks(world, args)
+    tokenizer = offline.load_offline_tokenizer(output_dir / "teacher")
+    return args, config, output_dir, world, generation, train, validation, tokenizer
+
+
 def main(argv: list[str] | None = None) -> dict:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--trough_step", type=int, default=20, help="MemOPD updates from the start to the trough.")
@@ -177,15 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     own.add_argument("--quick", action="store_true", help="Only the trough's greedy and sampled episodes (a variant's "
                      "check): no step-0 loss, no log-probs, no takeover.")
     ours, rest = own.parse_known_args(argv)
-    args, config, _ = hotpot.parse_args(rest)
-    offline.set_cpu_threads(args.cpu_threads)
-    output_dir = Path(config.output_dir)
-    world = offline.make_offline_world(args, **args.env_settings())
-    generation = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
-    offline.prepare_offline_models(args, world, output_dir, **generation)
-    train, validation = offline.validation_tasks(world, args)
+    args, config, output_dir, world, generation, train, validation, tokenizer = load_setup(rest)
     tasks = validation[: ours.num_tasks]
-    tokenizer = offline.load_offline_tokenizer(output_dir / "teacher")
     teacher = offline.load_offline_model(output_dir / "teacher").eval()
     start = offline.load_offline_model(output_dir / "student_init")
     seed = args.seeds[0]
