@@ -12,6 +12,12 @@ sentences it has found, copied verbatim, and acts:
 - multi-objective task (numbered sub-questions, `memopd_trl.envs.multi`): work through the sub-questions in order as
   above, keeping every fact found so far, then answer all of them at once, joined by `" ; "`.
 
+A *history-reading* expert (`reads="history"`) takes its facts from everything its messages show, not only from its
+latest memory and observation. In the compact layout that is the same; under the growing history (memory policy
+`full_history`) it also uses a passage that an earlier observation showed and the memory lost: it writes that fact
+back into memory and answers from it. Labeling a forgetful agent's histories with it gives the demonstrations of a
+teacher that is native to the history layout.
+
 A *forgetful* expert (`memory="latest"`, `"none"` or `"searches"`) plays the same searches and answers in the same
 format, but its memory keeps only the latest fact found, nothing, or only a note of its searches: at the answer step
 it has forgotten the facts of earlier sub-questions and guesses those answers. It tells where it is in the task from its last query (which names the
@@ -34,6 +40,7 @@ from .world import LOOKUP_ANSWER_FIELD, QUESTION_ENTITY_KIND, SyntheticWorld, fi
 
 NO_FACTS_MEMORY = "No facts yet."
 MEMORY_MODES = ("full", "latest", "none", "searches")
+READS = ("latest", "history")
 # Words appended to a query that missed, per entity kind: the later, more specific tries.
 _RETRY_WORDS = {"film": ("film", "directed"), "company": ("company", "founded"), "person": ("born", "later lived")}
 
@@ -64,6 +71,10 @@ class SyntheticExpert:
             (`"Searched Kalo Venu."`) and none of the facts found: it knows where it is in the task, not what it
             learned. The searches and the answer format are the same in every mode; a forgetful expert guesses the
             answers whose facts it no longer has.
+        reads (`str`, *optional*, defaults to `"latest"`):
+            Where it looks for facts: `"latest"`, its latest memory and the latest observation (what a compact call
+            shows); `"history"`, every action and observation the messages hold (under the `full_history` memory
+            policy, the whole episode so far, so a fact the memory lost is still found).
 
     Example:
 
@@ -76,7 +87,10 @@ class SyntheticExpert:
     ```
     """
 
-    def __init__(self, action_format: ActionFormat | str | None = None, retries: int = 1, memory: str = "full"):
+    def __init__(
+        self, action_format: ActionFormat | str | None = None, retries: int = 1, memory: str = "full",
+        reads: str = "latest",
+    ):  # fmt: skip
         if isinstance(action_format, str):
             action_format = ActionFormat.preset(action_format)
         self.action_format = action_format or ActionFormat()
@@ -84,8 +98,11 @@ class SyntheticExpert:
             raise ValueError(f"`retries` must be 0, 1 or 2, got {retries}.")
         if memory not in MEMORY_MODES:
             raise ValueError(f"`memory` must be one of {MEMORY_MODES}, got {memory!r}.")
+        if reads not in READS:
+            raise ValueError(f"`reads` must be one of {READS}, got {reads!r}.")
         self.retries = retries
         self.memory = memory
+        self.reads = reads
 
     def __call__(self, messages: list[dict[str, str]]) -> str:
         return self.act(messages)
@@ -107,6 +124,8 @@ class SyntheticExpert:
         memory_text = previous.memory if previous is not None and previous.memory else ""
         last_query = previous.argument if previous is not None and previous.kind == "search" else None
         known = memory_text + "\n" + observation  # memory first: facts already kept win
+        if self.reads == "history":  # and then every earlier action and observation the messages still show
+            known += "\n" + _history_text(messages)
 
         plan = [
             lookup for index, (template, entities) in enumerate(questions)
@@ -181,6 +200,12 @@ def _split_messages(messages: list[dict[str, str]]) -> tuple[str, str | None, st
     last = assistant_indices[-1]
     observation = "\n".join(m["content"] for m in messages[last + 1 :])
     return task, messages[last]["content"], observation
+
+
+def _history_text(messages: list[dict[str, str]]) -> str:
+    """Everything after the task message: every action and observation the context holds."""
+    first_user = next(i for i, m in enumerate(messages) if m.get("role") == "user")
+    return "\n".join(m["content"] for m in messages[first_user + 1 :])
 
 
 def _needed_entities(question: int, template: str, entities: tuple[str, ...], known: str) -> list[_Lookup]:
@@ -288,6 +313,7 @@ def play_episode(
     policy: Callable[[list[dict[str, str]]], str] | None = None,
     explore: Callable[[str], str] | None = None,
     memory: str | None = None,
+    behavior: Callable[[list[dict[str, str]]], str] | None = None,
 ) -> ExpertEpisode:
     """
     Play one episode of `policy` (a function from chat messages to action text) in `env`.
@@ -304,6 +330,10 @@ def play_episode(
         memory (`str`, *optional*):
             The expert's memory mode (`"full"`, `"latest"`, `"none"`, see `SyntheticExpert`) when `policy` is not
             given; when it is, it must be that policy's mode.
+        behavior (`Callable[[list[dict]], str]`, *optional*):
+            The policy whose actions are played, in place of `policy`'s: the states follow its choices while each
+            step records what `policy` would write there (relabeling another agent's states, as in DAgger). `explore`
+            then applies to its actions. `None` plays the labeler's own.
 
     Returns:
         `ExpertEpisode`: the turns (messages and the policy's action), the queries played and the scores (with
@@ -315,7 +345,8 @@ def play_episode(
     while not env.done:
         action = policy(messages)
         steps.append((messages, action))
-        played = explore(action) if explore is not None else action
+        played = behavior(messages) if behavior is not None else action
+        played = explore(played) if explore is not None else played
         result = env.step(played)
         if result.info.get("kind") == "search":
             queries.append(parse_action(played, env.action_format).argument)
@@ -370,6 +401,7 @@ def expert_trajectories(
     mistake_prob: float = 0.0,
     seed: int = 0,
     memory: str | None = None,
+    behavior: Callable[[list[dict[str, str]]], str] | None = None,
 ) -> list[ExpertEpisode]:
     """
     Play the scripted expert on the world's questions: the traces a teacher is fine-tuned on.
@@ -394,6 +426,9 @@ def expert_trajectories(
         memory (`str`, *optional*):
             The expert's memory mode when `expert` is not given: `"full"` (the default), `"latest"` or `"none"` (a
             forgetful expert, see `SyntheticExpert`); when `expert` is given, it must be that expert's mode.
+        behavior (`Callable[[list[dict]], str]`, *optional*):
+            Plays the episodes while the expert labels their states ([`play_episode`]); the scores are the
+            behavior's. `None`: the expert plays.
 
     Returns:
         `list[ExpertEpisode]`: one per question played (and kept), in order.
@@ -413,7 +448,7 @@ def expert_trajectories(
 
     episodes = []
     for record in records:
-        episode = play_episode(env, record, expert, explore=explore)
+        episode = play_episode(env, record, expert, explore=explore, behavior=behavior)
         if min_f1 is None or episode.f1 >= min_f1:
             episodes.append(episode)
     return episodes

@@ -83,7 +83,14 @@ def describe(name: str, setup: dict[str, dict[str, Any]]) -> str:
     """
     teacher = setup.get("teacher", {})
     layouts = "both layouts" if "full_history_f1" in teacher else "compact contexts only"
+    if teacher.get("recipe", {}).get("history_native"):
+        layouts = "both layouts, the history read whole"
     if name == "teacher":
+        if "the history read whole" in layouts:
+            return (
+                "teacher (imitated the full-memory expert in compact contexts, and in the growing history an expert "
+                "that reads all of it, on its own and the forgetful expert's histories)"
+            )
         return f"teacher (imitated the full-memory expert, {layouts})"
     if name == "student_init":
         start = setup.get("student_init", {})

@@ -47,7 +47,7 @@ from memopd_trl.envs.hotpot import HotpotQAEnv
 from memopd_trl.envs.multi import make_multi_objective_tasks
 from memopd_trl.rollout import RolloutEngine
 
-from .expert import MEMORY_MODES, expert_trajectories
+from .expert import MEMORY_MODES, SyntheticExpert, expert_trajectories
 from .imitation import copy_task_invocations, expert_invocations, imitation_train
 from .modeling import build_tiny_model
 from .tokenizer import build_tokenizer
@@ -157,6 +157,13 @@ class OfflineConfig:
             Whether the teacher also imitates the same full-memory expert rendered as one growing history (memory
             policy `full_history`), on the same tasks, so that it plays well in both layouts: the fair teacher for
             the persistent-history control. Its held-out F1 in that layout is reported as `full_history_f1`.
+        teacher_history_native (`bool`, *optional*, defaults to `False`):
+            With `teacher_full_history`: the teacher's history-layout demonstrations come from an expert that reads
+            everything its history shows (`SyntheticExpert(reads="history")`), on the expert's own play and on the
+            histories of the student's forgetful expert (`student_expert_memory`). There the history holds passages
+            the memory lost: it learns to write those facts back and to answer from them. In the compact layout it
+            imitates the memory expert, as without this option. A teacher native to the history layout: the
+            persistent-history control under which the mechanism that control stands for can appear.
         teacher_learning_rate (`float`, *optional*, defaults to `3e-3`):
             Peak learning rate of teacher imitation.
         student_warmup_questions (`int`, *optional*, defaults to `1500`):
@@ -290,6 +297,14 @@ class OfflineConfig:
             "both layouts (the fair persistent-history control)."
         },
     )
+    teacher_history_native: bool = field(
+        default=False,
+        metadata={
+            "help": "With teacher_full_history: the history-layout demonstrations come from an expert that reads the "
+            "whole history, on its own play and on the forgetful student expert's histories (a history-native "
+            "teacher)."
+        },
+    )
     teacher_learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate of teacher imitation."})
     student_warmup_questions: int = field(
         default=1500, metadata={"help": "Questions whose expert turns warm-start the student."}
@@ -339,6 +354,11 @@ class OfflineConfig:
                      "teacher_select_epochs"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"`{name}` must be > 0, got {getattr(self, name)}.")
+        if self.teacher_history_native and not self.teacher_full_history:
+            raise ValueError(
+                "`teacher_history_native` sets how the teacher imitates the history layout, which it only does with "
+                "`teacher_full_history`: set `teacher_full_history` too."
+            )
         if not 0.0 <= self.expert_mistake_prob <= 1.0:
             raise ValueError(f"`expert_mistake_prob` must be in [0, 1], got {self.expert_mistake_prob}.")
         if self.num_sub_questions < 1:
@@ -640,6 +660,8 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
     recipes["teacher"]["select_epochs"] = config.teacher_select_epochs
     if config.teacher_full_history:  # only when on: caches made without the option stay valid
         recipes["teacher"]["full_history"] = True
+    if config.teacher_history_native:
+        recipes["teacher"]["history_native"] = True
     if config.base_model is None:  # likewise
         for recipe in recipes.values():
             del recipe["base_model"]
@@ -803,7 +825,16 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
     full_history_factory = _full_history_factory(world.env_factory)
     if "teacher" in roles and config.teacher_full_history:
         # The same expert on the same tasks, each turn rendered under the whole history so far.
-        replayed = expert_trajectories(world.train[: len(imitated)], full_history_factory, **_expert_settings(expert))
+        action_format = full_history_factory().action_format
+        history_expert = SyntheticExpert(action_format, reads="history") if config.teacher_history_native else None
+        replayed = expert_trajectories(
+            world.train[: len(imitated)], full_history_factory, expert=history_expert, **_expert_settings(expert)
+        )
+        if config.teacher_history_native:  # the forgetful expert's histories, each state labeled by the reader
+            forgetful = SyntheticExpert(action_format, memory=config.student_expert_memory)
+            replayed += expert_trajectories(
+                world.train[: len(imitated)], full_history_factory, expert=history_expert, behavior=forgetful
+            )
         policy_steps["teacher"] += [step for trajectory in replayed for step in trajectory.steps]
     student_trajectories = trajectories[: config.student_warmup_questions]
     if config.student_expert_memory != "full":
@@ -947,7 +978,7 @@ def _expert_settings(expert: dict[str, Any]) -> dict[str, Any]:
 
 def _shared_pretraining_recipe(recipes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the shared copy warm-up and pretraining depend on: the teacher's recipe without its own imitation data."""
-    own_data = ("select_tasks", "select_epochs", "full_history")
+    own_data = ("select_tasks", "select_epochs", "full_history", "history_native")
     return {key: value for key, value in recipes["teacher"].items() if key not in own_data}
 
 

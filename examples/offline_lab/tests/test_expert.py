@@ -260,3 +260,36 @@ def test_memory_mode_is_checked_and_passed_through(world, retriever):
         )
     episode = play_episode(HotpotQAEnv(retriever, action_format="mem1"), world.records[0], memory="none")
     assert all(action.startswith(f"<think>{NO_FACTS_MEMORY}</think>") for _, action in episode.steps)
+
+
+def test_a_history_reader_labels_a_forgetful_history_with_the_facts_its_memory_lost(tasks, retriever):
+    history = HotpotQAEnv.factory(retriever=retriever, memory_policy="full_history",
+                                  max_turns=multi_objective_max_turns(2, retries=1))  # fmt: skip
+    forgetful = SyntheticExpert(memory="searches")
+    played = expert_trajectories(tasks[:60], history, memory="searches")
+    labeled = {reads: expert_trajectories(tasks[:60], history, SyntheticExpert(reads=reads), behavior=forgetful)
+               for reads in ("history", "latest")}  # fmt: skip
+    own = expert_trajectories(tasks[:60], history)  # the full-memory expert playing its own episodes
+    for episodes in labeled.values():  # the forgetful expert played: its states, its queries, its scores
+        assert [e.queries for e in episodes] == [e.queries for e in played]
+        assert [e.f1 for e in episodes] == [e.f1 for e in played]
+    answers = {reads: [parse_action(e.steps[-1][1], ActionFormat()).argument for e in episodes]
+               for reads, episodes in labeled.items()}  # fmt: skip
+    truth = [task["answer"] for task in tasks[:60]]
+    # The history still shows the first passage that the forgetful memory lost: only the reader of all of it answers.
+    assert statistics.mean(a == t for a, t in zip(answers["history"], truth, strict=True)) >= 0.95
+    assert statistics.mean(a == t for a, t in zip(answers["latest"], truth, strict=True)) < 0.35
+    assert statistics.mean(e.f1 for e in played) < 0.7
+    # and it wants every fact found so far written, as the full-memory expert writes in its own episodes
+    for episode, mine in zip(labeled["history"], own, strict=True):
+        memories = [parse_action(action, ActionFormat()).memory for _, action in episode.steps]
+        assert memories == [parse_action(action, ActionFormat()).memory for _, action in mine.steps]
+
+
+def test_in_compact_contexts_the_history_reader_writes_what_the_memory_expert_writes(world, retriever):
+    # Mistakes make a memory lose its last fact; the compact context no longer shows it either.
+    episodes = expert_trajectories(world, HotpotQAEnv.factory(retriever=retriever), limit=80, mistake_prob=0.5)
+    reader = SyntheticExpert(reads="history")
+    assert all(reader(messages) == action for episode in episodes for messages, action in episode.steps)
+    with pytest.raises(ValueError, match="`reads` must be one of"):
+        SyntheticExpert(reads="all")

@@ -375,6 +375,16 @@ def test_a_teacher_for_both_layouts_imitates_the_expert_under_the_full_history_t
     # Every imitated task twice: once in the compact layout, once as one growing history.
     assert rebuilt["teacher"]["expert_turns"] == 2 * setup["teacher"]["expert_turns"]
     assert 0.0 <= rebuilt["teacher"]["full_history_f1"] <= 1.0 and "full_history_f1" not in setup["teacher"]
+    # History-native: in the history layout it also imitates a reader of the whole history on the forgetful expert's
+    # histories, one more history per imitated task.
+    native = dataclasses.replace(both, teacher_history_native=True)
+    assert offline_recipes(native, world)["teacher"]["history_native"] is True
+    assert "history_native" not in recipes["teacher"]
+    native_setup = prepare_offline_models(native, world, tmp_path / "cache", **GENERATION)
+    assert native_setup["teacher"]["expert_turns"] > rebuilt["teacher"]["expert_turns"]
+    assert native_setup["student_init"]["recipe"] == rebuilt["student_init"]["recipe"]  # the start is not retrained
+    with pytest.raises(ValueError, match="`teacher_history_native` .* set `teacher_full_history` too"):
+        dataclasses.replace(config, teacher_history_native=True)
 
 
 def test_a_base_model_starts_both_models_with_its_own_tokenizer_and_no_warm_up(built, tmp_path, monkeypatch):

@@ -96,6 +96,9 @@ def test_each_row_is_named_for_what_it_rests_on():
     from_teacher = {"student_init": {"from_teacher": True}}
     assert describe("student_init", from_teacher) == "student start (from the teacher's weights, taught the forgetful expert)"
     assert describe("configured", setup) == "configured"
+    native = {"teacher": {"full_history_f1": 0.7, "recipe": {"full_history": True, "history_native": True}}}
+    assert describe("teacher", native).startswith("teacher (imitated the full-memory expert in compact contexts, and ")
+    assert describe("memopd_persistent", native).endswith("it saw both layouts, the history read whole)")
 
 
 def test_write_report_writes_results_and_the_plot(tmp_path):
