@@ -83,13 +83,17 @@ def describe(name: str, setup: dict[str, dict[str, Any]]) -> str:
     """
     teacher = setup.get("teacher", {})
     layouts = "both layouts" if "full_history_f1" in teacher else "compact contexts only"
-    if teacher.get("recipe", {}).get("history_native"):
+    recipe = teacher.get("recipe", {})
+    if recipe.get("history_native"):
         layouts = "both layouts, the history read whole"
+        if recipe.get("history_memory"):
+            layouts += f", {recipe['history_memory']!r} memory there"
     if name == "teacher":
-        if "the history read whole" in layouts:
+        if recipe.get("history_native"):
+            memory = f"{recipe['history_memory']!r} memory" if recipe.get("history_memory") else "full memory"
             return (
                 "teacher (imitated the full-memory expert in compact contexts, and in the growing history an expert "
-                "that reads all of it, on its own and the forgetful expert's histories)"
+                f"that reads all of it with {memory}, on its own and the forgetful expert's histories)"
             )
         return f"teacher (imitated the full-memory expert, {layouts})"
     if name == "student_init":

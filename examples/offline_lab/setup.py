@@ -164,6 +164,11 @@ class OfflineConfig:
             the memory lost: it learns to write those facts back and to answer from them. In the compact layout it
             imitates the memory expert, as without this option. A teacher native to the history layout: the
             persistent-history control under which the mechanism that control stands for can appear.
+        teacher_history_memory (`str`, *optional*, defaults to `"full"`):
+            With `teacher_history_native`: what that history-reading expert keeps in memory. `"full"`, every fact
+            found (a lost one written back); a forgetful mode (`"searches"`, `"latest"`, `"none"`), only what that
+            mode keeps: it still answers from every passage its history shows, so under the growing history it has no
+            reason to write a fact into memory.
         teacher_learning_rate (`float`, *optional*, defaults to `3e-3`):
             Peak learning rate of teacher imitation.
         student_warmup_questions (`int`, *optional*, defaults to `1500`):
@@ -305,6 +310,14 @@ class OfflineConfig:
             "teacher)."
         },
     )
+    teacher_history_memory: str = field(
+        default="full",
+        metadata={
+            "help": "With teacher_history_native: what the history-reading expert keeps in memory, 'full' (every "
+            "fact) or a forgetful mode ('searches', 'latest', 'none'; it answers from the history).",
+            "choices": list(MEMORY_MODES),
+        },
+    )
     teacher_learning_rate: float = field(default=3e-3, metadata={"help": "Peak learning rate of teacher imitation."})
     student_warmup_questions: int = field(
         default=1500, metadata={"help": "Questions whose expert turns warm-start the student."}
@@ -358,6 +371,15 @@ class OfflineConfig:
             raise ValueError(
                 "`teacher_history_native` sets how the teacher imitates the history layout, which it only does with "
                 "`teacher_full_history`: set `teacher_full_history` too."
+            )
+        if self.teacher_history_memory not in MEMORY_MODES:
+            raise ValueError(
+                f"`teacher_history_memory` must be one of {MEMORY_MODES}, got {self.teacher_history_memory!r}."
+            )
+        if self.teacher_history_memory != "full" and not self.teacher_history_native:
+            raise ValueError(
+                "`teacher_history_memory` is the memory of the history-native teacher's expert: set "
+                "`teacher_history_native` too."
             )
         if not 0.0 <= self.expert_mistake_prob <= 1.0:
             raise ValueError(f"`expert_mistake_prob` must be in [0, 1], got {self.expert_mistake_prob}.")
@@ -662,6 +684,8 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
         recipes["teacher"]["full_history"] = True
     if config.teacher_history_native:
         recipes["teacher"]["history_native"] = True
+    if config.teacher_history_memory != "full":
+        recipes["teacher"]["history_memory"] = config.teacher_history_memory
     if config.base_model is None:  # likewise
         for recipe in recipes.values():
             del recipe["base_model"]
@@ -826,9 +850,14 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
     if "teacher" in roles and config.teacher_full_history:
         # The same expert on the same tasks, each turn rendered under the whole history so far.
         action_format = full_history_factory().action_format
-        history_expert = SyntheticExpert(action_format, reads="history") if config.teacher_history_native else None
+        history_expert = None
+        if config.teacher_history_native:
+            history_expert = SyntheticExpert(action_format, memory=config.teacher_history_memory, reads="history")
+        settings = _expert_settings(expert)
+        if config.teacher_history_memory != "full":  # a forgetful expert gives up after a slip: no mistakes
+            settings["mistake_prob"] = 0.0
         replayed = expert_trajectories(
-            world.train[: len(imitated)], full_history_factory, expert=history_expert, **_expert_settings(expert)
+            world.train[: len(imitated)], full_history_factory, expert=history_expert, **settings
         )
         if config.teacher_history_native:  # the forgetful expert's histories, each state labeled by the reader
             forgetful = SyntheticExpert(action_format, memory=config.student_expert_memory)
@@ -978,7 +1007,7 @@ def _expert_settings(expert: dict[str, Any]) -> dict[str, Any]:
 
 def _shared_pretraining_recipe(recipes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the shared copy warm-up and pretraining depend on: the teacher's recipe without its own imitation data."""
-    own_data = ("select_tasks", "select_epochs", "full_history", "history_native")
+    own_data = ("select_tasks", "select_epochs", "full_history", "history_native", "history_memory")
     return {key: value for key, value in recipes["teacher"].items() if key not in own_data}
 
 

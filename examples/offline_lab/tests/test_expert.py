@@ -284,6 +284,10 @@ def test_a_history_reader_labels_a_forgetful_history_with_the_facts_its_memory_l
     for episode, mine in zip(labeled["history"], own, strict=True):
         memories = [parse_action(action, ActionFormat()).memory for _, action in episode.steps]
         assert memories == [parse_action(action, ActionFormat()).memory for _, action in mine.steps]
+    # A forgetful reader keeps only its notes, and still answers every sub-question from the history.
+    reader = expert_trajectories(tasks[:60], history, SyntheticExpert(memory="searches", reads="history"))
+    assert statistics.mean(e.f1 for e in reader) >= 0.95
+    assert [[a for _, a in e.steps[:-1]] for e in reader] == [[a for _, a in e.steps[:-1]] for e in played]
 
 
 def test_in_compact_contexts_the_history_reader_writes_what_the_memory_expert_writes(world, retriever):

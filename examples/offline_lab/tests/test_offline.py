@@ -385,6 +385,13 @@ def test_a_teacher_for_both_layouts_imitates_the_expert_under_the_full_history_t
     assert native_setup["student_init"]["recipe"] == rebuilt["student_init"]["recipe"]  # the start is not retrained
     with pytest.raises(ValueError, match="`teacher_history_native` .* set `teacher_full_history` too"):
         dataclasses.replace(config, teacher_history_native=True)
+    notes = dataclasses.replace(native, teacher_history_memory="searches")
+    assert offline_recipes(notes, world)["teacher"]["history_memory"] == "searches"
+    assert "history_memory" not in offline_recipes(native, world)["teacher"]
+    with pytest.raises(ValueError, match="`teacher_history_memory` .* set `teacher_history_native` too"):
+        dataclasses.replace(both, teacher_history_memory="searches")
+    with pytest.raises(ValueError, match="`teacher_history_memory` must be one of"):
+        dataclasses.replace(native, teacher_history_memory="half")
 
 
 def test_a_base_model_starts_both_models_with_its_own_tokenizer_and_no_warm_up(built, tmp_path, monkeypatch):

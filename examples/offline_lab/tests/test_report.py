@@ -99,6 +99,9 @@ def test_each_row_is_named_for_what_it_rests_on():
     native = {"teacher": {"full_history_f1": 0.7, "recipe": {"full_history": True, "history_native": True}}}
     assert describe("teacher", native).startswith("teacher (imitated the full-memory expert in compact contexts, and ")
     assert describe("memopd_persistent", native).endswith("it saw both layouts, the history read whole)")
+    native["teacher"]["recipe"]["history_memory"] = "searches"
+    assert "reads all of it with 'searches' memory" in describe("teacher", native)
+    assert describe("memopd_persistent", native).endswith("the history read whole, 'searches' memory there)")
 
 
 def test_write_report_writes_results_and_the_plot(tmp_path):
