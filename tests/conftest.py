@@ -4,7 +4,9 @@ Session-scoped objects are shared by every test: never train or modify them in p
 `make_tiny_model` when a test changes weights or configs.
 """
 
+import importlib
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +26,21 @@ def hotpot():
     import hotpot
 
     return hotpot
+
+
+@pytest.fixture(scope="session")
+def import_benchmark() -> Callable:
+    """Returns a function importing a script of `benchmarks/` by name as a module (the folder is not a package)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+
+    def load(name: str):
+        sys.path.insert(0, folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(folder)
+
+    return load
 
 
 @pytest.fixture(scope="session")

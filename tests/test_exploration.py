@@ -1,6 +1,5 @@
 """benchmarks/exploration.py (how much the start explores, for PPO) on the smoke preset, and its group statistics."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,13 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def exploration():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import exploration
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return exploration
+def exploration(import_benchmark):
+    return import_benchmark("exploration")
 
 
 def test_group_stats_count_the_groups_a_group_relative_advantage_learns_from(exploration):

@@ -1,7 +1,6 @@
 """benchmarks/trough.py (why MemOPD first breaks its student) on the smoke preset, and the validation split it uses."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,13 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def trough(tmp_path_factory):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import trough
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return trough
+def trough(import_benchmark):
+    return import_benchmark("trough")
 
 
 def test_the_validation_tasks_are_neither_trained_on_nor_imitated(hotpot):
