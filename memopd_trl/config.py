@@ -158,6 +158,14 @@ class MemOPDConfig(_BaseConfig):
             raises the student's probability of taking the teacher's branch, by generalization, before it can act
             after it; this holds the student's own choices until the warm-up ends. 0 = off; it needs
             `distill_warmup_steps > 0`.
+        distill_warmup_anchor_coef (`float`, *optional*, defaults to `0.0`):
+            Weight of the forward KL from the student's start (the frozen reference of `kl_coef`) to the student, over
+            the full vocabulary, on the student's own episodes during `distill_warmup_steps`: the start is the teacher
+            of the student's own episodes while the teacher's episodes teach it the continuations. Its gradient grows
+            with how far each distribution moved, where the sampled-token KL of `distill_warmup_kl_coef` vanishes on
+            the near-certain tokens of a start that samples almost deterministically; so it holds the student at
+            learning rates where that KL does not (docs/results.md, "The start that never had the policy"). 0 = off;
+            it needs `distill_warmup_steps > 0`.
 
         > Parameters that control the training
 
@@ -453,6 +461,14 @@ class MemOPDConfig(_BaseConfig):
             "place of `kl_coef`), which holds its own choices while it learns the teacher's; 0 = off."
         },
     )
+    distill_warmup_anchor_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the full-vocabulary forward KL from the student's start to the student on its own "
+            "episodes during `distill_warmup_steps`: the start teaches the student's own episodes while the teacher's "
+            "teach it the continuations; 0 = off."
+        },
+    )
 
     # Parameters that control the training
     ppo_coef: float = field(default=1.0, metadata={"help": "Weight of the PPO loss (0 gives pure distillation)."})
@@ -634,6 +650,14 @@ class MemOPDConfig(_BaseConfig):
             raise ValueError(
                 f"`distill_warmup_kl_coef` ({self.distill_warmup_kl_coef}) weighs a KL during the distillation "
                 "warm-up, but `distill_warmup_steps` is 0: set `distill_warmup_steps` > 0, or `distill_warmup_kl_coef=0`."
+            )
+        if self.distill_warmup_anchor_coef < 0:
+            bad("distill_warmup_anchor_coef", ">= 0")
+        if self.distill_warmup_anchor_coef > 0 and self.distill_warmup_steps == 0:
+            raise ValueError(
+                f"`distill_warmup_anchor_coef` ({self.distill_warmup_anchor_coef}) holds the student to its start "
+                "during the distillation warm-up, but `distill_warmup_steps` is 0: set `distill_warmup_steps` > 0, or "
+                "`distill_warmup_anchor_coef=0`."
             )
         if self.distill_warmup_steps > 0 and self.distill_divergence_threshold == 0:
             raise ValueError(

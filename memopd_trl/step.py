@@ -203,6 +203,8 @@ class ScoredBatch:
         distill_mask (`torch.Tensor` of shape `(N,)`, *optional*): the tokens the distillation loss keeps
             (`distill_divergence_threshold`); `None` keeps every token.
         ref_logprobs (`torch.Tensor` of shape `(N,)`, *optional*): the reference model's log-probs (`kl_coef > 0`).
+        anchor (`TeacherScores`, *optional*): the student's start's scores of the rollout's actions, its teacher on
+            them during the distillation warm-up (`distill_warmup_anchor_coef > 0`).
         teacher_play (`TeacherPlay`, *optional*): the teacher's own episodes (`teacher_generations > 0`).
         sampling_logprobs (`torch.Tensor` of shape `(N,)`, *optional*): with `importance_sampling_correction`, the
             log-prob the sampling engine gave each token.
@@ -221,6 +223,7 @@ class ScoredBatch:
     teacher: TeacherScores | TopKTeacherScores | None = None
     distill_mask: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    anchor: TeacherScores | None = None
     teacher_play: TeacherPlay | None = None
     sampling_logprobs: torch.Tensor | None = None
     sampling_weights: torch.Tensor | None = None

@@ -241,7 +241,9 @@ class MemOPDTrainer(_BaseTrainer):
         self.teacher_model = None if teacher_model is None else prepare_frozen_model(teacher_model, self.accelerator)
 
         self.ref_model = None
-        if max(args.kl_coef, args.distill_warmup_kl_coef) > 0 and not _is_peft(self.model):
+        if max(args.kl_coef, args.distill_warmup_kl_coef, args.distill_warmup_anchor_coef) > 0 and not _is_peft(
+            self.model
+        ):
             self.ref_model = self._load_reference(self.accelerator.unwrap_model(self.model))
 
         self._build_scorers()
@@ -414,6 +416,13 @@ class MemOPDTrainer(_BaseTrainer):
             with self._reference_model() as reference:
                 batch.ref_logprobs = self._sampled_logprobs(reference, batch.rows, batch.packed)
             rollout.seconds["reference"] = time.perf_counter() - start
+        if args.distill_warmup_anchor_coef > 0 and self.state.global_step < args.distill_warmup_steps:
+            start = time.perf_counter()
+            with self._reference_model() as reference, torch.no_grad():
+                # A PEFT student's head is read outside the context: adapters never change its base weight.
+                hidden = rows_action_hidden_states(reference, batch.rows)  # (N, H)
+                batch.anchor = TeacherScores(hidden, reference, self.vocab_size)
+            rollout.seconds["reference"] = rollout.seconds.get("reference", 0.0) + time.perf_counter() - start
         return batch
 
     def _teacher_scores(self, rollout: Rollout, batch: ScoredBatch) -> None:
@@ -696,6 +705,14 @@ class MemOPDTrainer(_BaseTrainer):
                 student_head = (weight, bias)
                 term = self._distill_term(batch, actions, hidden, play_actions, play_hidden, student_head, counts)
                 loss = loss + term
+            if batch.anchor is not None and len(actions):  # the distillation warm-up: the start teaches these
+                with batch.anchor.lm_head() as start_head:
+                    anchor = batch.anchor.divergence(
+                        hidden, (weight, bias), actions, start_head, beta=0.0, temperature=args.distill_temperature,
+                        chunk_size=args.logit_chunk_size,
+                    ).mean() * share  # fmt: skip
+                loss = loss + args.distill_warmup_anchor_coef * anchor
+                self._loss_sums["loss/anchor"] += anchor.item()
         if batch.ref_logprobs is not None:
             kl = kl_penalty(logprobs, batch.ref_logprobs[actions]).mean() * share if len(actions) else 0.0 * loss
             loss = loss + self._kl_coef() * kl

@@ -1317,3 +1317,52 @@ def test_distill_warmup_kl_coef_holds_the_student_to_its_start_during_the_warm_u
             assert batch.ref_logprobs is None and "kl_ref" not in metrics
     with pytest.raises(ValueError, match="`distill_warmup_kl_coef` .* but `distill_warmup_steps` is 0"):
         make_config(tmp_path, distill_warmup_kl_coef=1.0)
+
+
+def test_distill_warmup_anchor_coef_is_the_starts_full_vocabulary_kl_on_the_students_own_episodes(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    student = make_tiny_model(seed=0)
+    teacher = near_copy(student, seed=1, scale=0.5)
+    config = make_config(
+        tmp_path, num_generations=2, teacher_generations=1, distill_warmup_steps=1, distill_divergence_threshold=0.1,
+        distill_warmup_anchor_coef=2.0, temperature=1.3, misalignment_audit_steps=0,
+    )  # fmt: skip
+    trainer = MemOPDTrainer(
+        model=student, teacher_model=teacher, args=config, train_dataset=world.records, env_factory=env_factory,
+        processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    assert trainer.ref_model is not None, "the anchor needs the frozen start"
+    start = trainer.accelerator.unwrap_model(trainer.ref_model)
+    metrics, rollouts, rollout = trainer._metrics["train"], [], trainer._rollout
+    trainer._rollout = lambda records: rollouts.append(rollout(records)) or rollouts[-1]
+    for step in (0, 1):  # in the warm-up, then after it
+        trainer.state.global_step = step
+        batch = trainer._prepare_inputs(world.records[:2])
+        with torch.no_grad():  # the student moved away from its start
+            for param in student.parameters():
+                param.add_(0.5 * torch.randn_like(param))  # far enough that KL(p || q) and KL(q || p) differ
+        metrics.clear()
+        loss = trainer._batch_loss(student, batch).item()
+        if step == 1:
+            assert batch.anchor is None and "loss/anchor" not in metrics
+            continue
+        # KL(start || student) over the vocabulary at each of the student's own action tokens, from plain forwards.
+        expected = []
+        with torch.no_grad():
+            for inv in rollouts[-1].invocations:
+                ids = torch.tensor([inv.input_ids + inv.output_ids])
+                cut = slice(len(inv.input_ids) - 1, -1)
+                p = start(input_ids=ids).logits[0, cut, : trainer.vocab_size].float().log_softmax(-1)
+                q = student(input_ids=ids).logits[0, cut, : trainer.vocab_size].float().log_softmax(-1)
+                expected.append((p.exp() * (p - q)).sum(-1))
+        anchor = metrics["loss/anchor"][0]
+        assert anchor > 0 and anchor == pytest.approx(torch.cat(expected).mean().item(), rel=1e-3)
+        batch.anchor = None
+        without = trainer._batch_loss(student, batch).item()
+        assert loss == pytest.approx(without + 2.0 * anchor, rel=1e-4)
+    with pytest.raises(ValueError, match="`distill_warmup_anchor_coef` .* but `distill_warmup_steps` is 0"):
+        make_config(tmp_path, distill_warmup_anchor_coef=1.0)
+    with pytest.raises(ValueError, match="`distill_warmup_anchor_coef` must be >= 0"):
+        make_config(tmp_path, distill_warmup_steps=1, teacher_generations=1, distill_divergence_threshold=0.1,
+                    distill_warmup_anchor_coef=-1.0)  # fmt: skip
