@@ -36,6 +36,7 @@ ARMS = {
         "distill_divergence_threshold": 0.0,
         "distill_warmup_steps": 0,
         "distill_warmup_kl_coef": 0.0,
+        "distill_warmup_anchor_coef": 0.0,
     },  # fmt: skip
     "memopd": {"teacher_scoring": "aligned"},
     "memopd_persistent": {"teacher_scoring": "persistent"},

@@ -422,3 +422,15 @@ def test_a_base_model_starts_both_models_with_its_own_tokenizer_and_no_warm_up(b
     assert "base_model" not in offline_recipes(config, world)["teacher"]
     with pytest.raises(ValueError, match="share_pretraining"):
         OfflineConfig(**{**TINY, "base_model": str(base), "share_pretraining": True})
+
+
+def test_the_ppo_arm_turns_off_every_distillation_setting_a_run_was_given(tmp_path):
+    from offline_lab.compare import arm_config
+
+    warm_up = dict(teacher_generations=1, distill_divergence_threshold=0.1, distill_warmup_steps=5,
+                   distill_warmup_kl_coef=1.0, distill_warmup_anchor_coef=1.0)  # fmt: skip
+    config = MemOPDConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
+                          num_generations=2, **warm_up)  # fmt: skip
+    ppo = arm_config(config, "ppo", seed=0)  # a setting left on without its warm-up is refused by the config
+    assert ppo.distill_coef == 0 and all(not getattr(ppo, name) for name in warm_up)
+    assert arm_config(config, "memopd", seed=0).distill_warmup_anchor_coef == 1.0
