@@ -164,7 +164,7 @@ class MemOPDConfig(_BaseConfig):
             of the student's own episodes while the teacher's episodes teach it the continuations. Its gradient grows
             with how far each distribution moved, where the sampled-token KL of `distill_warmup_kl_coef` vanishes on
             the near-certain tokens of a start that samples almost deterministically; so it holds the student at
-            learning rates where that KL does not (docs/results.md, "The start that never had the policy"). 0 = off;
+            learning rates where that KL does not (docs/results.md, "Holding the start that never had the policy"). 0 = off;
             it needs `distill_warmup_steps > 0`.
 
         > Parameters that control the training

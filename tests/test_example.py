@@ -138,7 +138,8 @@ def test_memopd_arms_refuse_distill_coef_zero(hotpot, tmp_path):
     # The offline recipe's teacher episodes need a distillation term: the config says so first.
     with pytest.raises(SystemExit, match="`distill_coef` is 0"):
         hotpot.main([*SMOKE, "--distill_coef", "0", "--output_dir", str(tmp_path)])
-    off = ["--teacher_generations", "0", "--distill_divergence_threshold", "0"]
+    off = ["--teacher_generations", "0", "--distill_divergence_threshold", "0", "--distill_warmup_steps", "0",
+           "--distill_warmup_anchor_coef", "0"]  # fmt: skip
     with pytest.raises(SystemExit, match="--distill_coef 0"):
         hotpot.main([*SMOKE, "--distill_coef", "0", *off, "--output_dir", str(tmp_path)])
 
