@@ -22,7 +22,6 @@ tasks every `--every` updates; prints the curve and writes it to `<output_dir>/i
 import argparse
 import copy
 import json
-import math
 import random
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trough import load_setup  # noqa: E402
 
 import offline_lab as offline  # noqa: E402
+from memopd_trl.losses import without_first_divergence  # noqa: E402
 from memopd_trl.packing import PackedInvocationCollator  # noqa: E402
 from memopd_trl.rollout import RolloutEngine  # noqa: E402
 from memopd_trl.scoring import action_logprobs  # noqa: E402
@@ -44,17 +44,11 @@ from offline_lab.imitation import expert_invocations  # noqa: E402
 
 
 def branch_masks(start, episodes: list[list], collator, threshold: float) -> list[torch.Tensor]:
-    """For each episode (its invocations), every action token but the first the start gives < `threshold`."""
-    masks = []
+    """For each episode (its invocations), every action token but the first the start gives < `threshold`, as the
+    trainer's warm-up keeps them (`losses.without_first_divergence`)."""
     with torch.no_grad():
-        for invocations in episodes:
-            logprobs = action_logprobs(start, collator(invocations))
-            mask = torch.ones_like(logprobs, dtype=torch.bool)
-            below = (logprobs < math.log(threshold)).nonzero()
-            if len(below):
-                mask[below[0, 0]] = False
-            masks.append(mask)
-    return masks
+        logprobs = [action_logprobs(start, collator(invocations)) for invocations in episodes]
+    return [without_first_divergence(lp, torch.zeros_like(lp, dtype=torch.long), threshold) for lp in logprobs]
 
 
 def main(argv: list[str] | None = None) -> dict:

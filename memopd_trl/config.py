@@ -644,21 +644,15 @@ class MemOPDConfig(_BaseConfig):
                 f"`distill_warmup_steps` ({self.distill_warmup_steps}) distills on the teacher's own episodes only, "
                 "but `teacher_generations` is 0: set `teacher_generations` > 0, or `distill_warmup_steps=0`."
             )
-        if self.distill_warmup_kl_coef < 0:
-            bad("distill_warmup_kl_coef", ">= 0")
-        if self.distill_warmup_kl_coef > 0 and self.distill_warmup_steps == 0:
-            raise ValueError(
-                f"`distill_warmup_kl_coef` ({self.distill_warmup_kl_coef}) weighs a KL during the distillation "
-                "warm-up, but `distill_warmup_steps` is 0: set `distill_warmup_steps` > 0, or `distill_warmup_kl_coef=0`."
-            )
-        if self.distill_warmup_anchor_coef < 0:
-            bad("distill_warmup_anchor_coef", ">= 0")
-        if self.distill_warmup_anchor_coef > 0 and self.distill_warmup_steps == 0:
-            raise ValueError(
-                f"`distill_warmup_anchor_coef` ({self.distill_warmup_anchor_coef}) holds the student to its start "
-                "during the distillation warm-up, but `distill_warmup_steps` is 0: set `distill_warmup_steps` > 0, or "
-                "`distill_warmup_anchor_coef=0`."
-            )
+        for name in ("distill_warmup_kl_coef", "distill_warmup_anchor_coef"):  # the warm-up's holds on the start
+            value = getattr(self, name)
+            if value < 0:
+                bad(name, ">= 0")
+            if value > 0 and self.distill_warmup_steps == 0:
+                raise ValueError(
+                    f"`{name}` ({value}) holds the student to its start during the distillation warm-up, but "
+                    f"`distill_warmup_steps` is 0: set `distill_warmup_steps` > 0, or `{name}=0`."
+                )
         if self.distill_warmup_steps > 0 and self.distill_divergence_threshold == 0:
             raise ValueError(
                 f"`distill_warmup_steps` ({self.distill_warmup_steps}) leaves out the teacher's branch points, the "

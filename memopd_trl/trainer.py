@@ -411,18 +411,19 @@ class MemOPDTrainer(_BaseTrainer):
             for name, value in self.audit(self.teacher, invocations, batch.teacher).items():
                 self._metrics["train"][name].append(value)
             rollout.seconds["audit"] = time.perf_counter() - start
-        if self._kl_coef() > 0:
-            start = time.perf_counter()
-            with self._reference_model() as reference:
-                batch.ref_logprobs = self._sampled_logprobs(reference, batch.rows, batch.packed)
-            rollout.seconds["reference"] = time.perf_counter() - start
-        if args.distill_warmup_anchor_coef > 0 and self.state.global_step < args.distill_warmup_steps:
+        anchored = args.distill_warmup_anchor_coef > 0 and self._in_distill_warmup()
+        if self._kl_coef() > 0 or anchored:  # one forward of the reference serves both
             start = time.perf_counter()
             with self._reference_model() as reference, torch.no_grad():
-                # A PEFT student's head is read outside the context: adapters never change its base weight.
                 hidden = rows_action_hidden_states(reference, batch.rows)  # (N, H)
-                batch.anchor = TeacherScores(hidden, reference, self.vocab_size)
-            rollout.seconds["reference"] = rollout.seconds.get("reference", 0.0) + time.perf_counter() - start
+                if self._kl_coef() > 0:
+                    batch.ref_logprobs = sampled_token_logprobs(
+                        reference, hidden, action_token_ids(batch.packed), self.vocab_size, args.temperature,
+                        args.logit_chunk_size,
+                    )  # (N,)  # fmt: skip
+                if anchored:  # a PEFT student's head is read outside the context: adapters never change its base weight
+                    batch.anchor = TeacherScores(hidden, reference, self.vocab_size)
+            rollout.seconds["reference"] = time.perf_counter() - start
         return batch
 
     def _teacher_scores(self, rollout: Rollout, batch: ScoredBatch) -> None:
@@ -438,7 +439,7 @@ class MemOPDTrainer(_BaseTrainer):
         batch.teacher = self.teacher.score(rollout.invocations, args.teacher_scoring, batch.rows, action_ids)
         if args.distill_divergence_threshold > 0:
             batch.distill_mask = self._distill_mask(rollout, batch)
-        if self.state.global_step < args.distill_warmup_steps:  # the teacher's own episodes only, for now
+        if self._in_distill_warmup():  # the teacher's own episodes only, for now
             batch.distill_mask = torch.zeros_like(batch.old_logprobs, dtype=torch.bool)
         if args.sampled_kl_coef > 0:
             token_rewards = sampled_kl_advantages(batch.teacher.sampled_logprobs, batch.old_logprobs)  # (N,)
@@ -526,16 +527,20 @@ class MemOPDTrainer(_BaseTrainer):
             scores = self.teacher.score(invocations, self.args.teacher_scoring)  # (N_play, ...)
             joint_rows = self._forward_rows(send_to_device(self.collator(rollout_invocations + invocations), device))
             play = TeacherPlay(invocations, scores, joint_rows)
-            if self.state.global_step < self.args.distill_warmup_steps:
+            if self._in_distill_warmup():
                 play.distill_mask = self._continuations_only(episodes, invocations)
         self._record_metric("time/teacher_play", time.perf_counter() - start)
         return play
+
+    def _in_distill_warmup(self) -> bool:
+        """Whether this step is in the distillation warm-up (`distill_warmup_steps`)."""
+        return self.state.global_step < self.args.distill_warmup_steps
 
     def _kl_coef(self) -> float:
         """The weight of the KL to the student's start now: `distill_warmup_kl_coef` during the distillation warm-up,
         `kl_coef` after it."""
         args = self.args
-        return args.distill_warmup_kl_coef if self.state.global_step < args.distill_warmup_steps else args.kl_coef
+        return args.distill_warmup_kl_coef if self._in_distill_warmup() else args.kl_coef
 
     def _continuations_only(self, episodes: list[Episode], invocations: list[Invocation]) -> torch.Tensor:
         """`(N_play,)`: the teacher's action tokens the warm-up distills, all but each episode's branch point
@@ -705,12 +710,14 @@ class MemOPDTrainer(_BaseTrainer):
                 student_head = (weight, bias)
                 term = self._distill_term(batch, actions, hidden, play_actions, play_hidden, student_head, counts)
                 loss = loss + term
-            if batch.anchor is not None and len(actions):  # the distillation warm-up: the start teaches these
-                with batch.anchor.lm_head() as start_head:
-                    anchor = batch.anchor.divergence(
-                        hidden, (weight, bias), actions, start_head, beta=0.0, temperature=args.distill_temperature,
-                        chunk_size=args.logit_chunk_size,
-                    ).mean() * share  # fmt: skip
+            if batch.anchor is not None:  # the distillation warm-up: the start teaches the student's own actions
+                with batch.anchor.lm_head() as start_head:  # collective when sharded: every row enters it
+                    anchor = hidden.new_zeros(())
+                    if len(actions):
+                        anchor = batch.anchor.divergence(
+                            hidden, (weight, bias), actions, start_head, beta=0.0,
+                            temperature=args.distill_temperature, chunk_size=args.logit_chunk_size,
+                        ).mean() * share  # fmt: skip
                 loss = loss + args.distill_warmup_anchor_coef * anchor
                 self._loss_sums["loss/anchor"] += anchor.item()
         if batch.ref_logprobs is not None:

@@ -25,8 +25,8 @@ def test_branch_masks_leave_out_only_each_episodes_first_unlikely_token(imitatio
     episode = [Invocation(input_ids=ids[:3], output_ids=ids[3:5]), Invocation(input_ids=ids[:4], output_ids=ids[4:])]
     collator = PackedInvocationCollator(max_tokens_per_row=64, pad_token_id=tiny_tokenizer.pad_token_id)
     tokens = len(ids[3:5]) + len(ids[4:])
-    # Every token is below probability 1: only the episode's first is its branch point.
-    (always,) = imitation.branch_masks(model, [episode], collator, threshold=1.0)
+    # Every token of an untrained model is below probability 0.9999: only the episode's first is its branch point.
+    (always,) = imitation.branch_masks(model, [episode], collator, threshold=0.9999)
     assert always.tolist() == [False] + [True] * (tokens - 1)
     (never,) = imitation.branch_masks(model, [episode], collator, threshold=1e-30)
     assert never.tolist() == [True] * tokens
