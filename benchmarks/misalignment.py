@@ -109,7 +109,7 @@ def record_episode(env, record: dict, tokenizer, episode_id: int, eos_ids: set[i
     # Check: the flattened history of turns 0..k-1 is token for token the context a persistent-policy agent gets.
     history = list(invocations[0].input_ids)
     policy = FullHistoryMemoryPolicy()
-    for turn, inv in enumerate(invocations[1:], start=1):
+    for turn in range(1, len(invocations)):
         previous = invocations[turn - 1]
         history += previous.output_ids + previous.observation_ids
         messages = policy.build_messages(env.system_prompt, env.task, env.turns[:turn])

@@ -62,8 +62,8 @@ from .losses import (
     ppo_clip_loss,
     sampled_kl_advantages,
     until_first_divergence,
-    without_first_divergence,
     value_loss,
+    without_first_divergence,
 )
 from .model_card import PAPER, build_model_card, hub_network_errors, hub_unreachable_error
 from .packing import PackedInvocationCollator

@@ -84,9 +84,9 @@ def main() -> int:
     failures = []
     if trainer.accelerator.num_processes != 2:
         failures.append(f"expected 2 processes, got {trainer.accelerator.num_processes}")
-    if all(torch.equal(a, b) for a, b in zip(student_before, student.parameters())):
+    if all(torch.equal(a, b) for a, b in zip(student_before, student.parameters(), strict=True)):
         failures.append("the student did not change")
-    if not all(torch.equal(a, b) for a, b in zip(teacher_before, teacher.parameters())):
+    if not all(torch.equal(a, b) for a, b in zip(teacher_before, teacher.parameters(), strict=True)):
         failures.append("the teacher changed")
     flat = torch.cat([p.detach().flatten() for p in student.parameters()])
     gathered = trainer.accelerator.gather(flat[None])  # (num_processes, num_params)
