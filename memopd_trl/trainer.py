@@ -411,12 +411,12 @@ class MemOPDTrainer(_BaseTrainer):
             for name, value in self.audit(self.teacher, invocations, batch.teacher).items():
                 self._metrics["train"][name].append(value)
             rollout.seconds["audit"] = time.perf_counter() - start
-        anchored = args.distill_warmup_anchor_coef > 0 and self._in_distill_warmup()
-        if self._kl_coef() > 0 or anchored:  # one forward of the reference serves both
+        kl, anchored = self._kl_coef() > 0, args.distill_warmup_anchor_coef > 0 and self._in_distill_warmup()
+        if kl or anchored:  # one forward of the reference serves both
             start = time.perf_counter()
             with self._reference_model() as reference, torch.no_grad():
                 hidden = rows_action_hidden_states(reference, batch.rows)  # (N, H)
-                if self._kl_coef() > 0:
+                if kl:
                     batch.ref_logprobs = sampled_token_logprobs(
                         reference, hidden, action_token_ids(batch.packed), self.vocab_size, args.temperature,
                         args.logit_chunk_size,

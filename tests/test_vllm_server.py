@@ -151,7 +151,8 @@ def test_two_steps_with_the_server_teacher_equal_the_local_teacher_top_k(
         )  # fmt: skip
         trainer.train()
         with torch.no_grad():
-            updates[name] = torch.cat([(p - q).flatten() for p, q in zip(student.parameters(), start.parameters(), strict=True)])
+            pairs = zip(student.parameters(), start.parameters(), strict=True)
+            updates[name] = torch.cat([(p - q).flatten() for p, q in pairs])
         distill = [entry["loss/distill"] for entry in trainer.state.log_history if "loss/distill" in entry]
         assert len(distill) == 2 and all(0 < value < float("inf") for value in distill)
     def relative(name):
