@@ -13,8 +13,9 @@ that are not validation tasks; everything measured is on the validation tasks (`
    the norm of the gradient each turn's kept loss alone gives the weights.
 2. **What moved**, start -> trough: the mean log-prob of the start's sampled tokens and of the teacher's greedy tokens
    (in the teacher's own states) under each model, per turn and part.
-3. **How the episodes change**: greedy and sampled F1, turns, malformed actions per turn with their errors, outputs cut
-   at `max_new_tokens`.
+3. **How the episodes change**: greedy and sampled F1 (and how many episodes score each value), turns, malformed
+   actions per turn with their errors, outputs cut at `max_new_tokens`, the first episodes' actions; the same for the
+   teacher's own episodes, which the student is distilled towards.
 4. **Whether the teacher can recover from the student's states**: the teacher takes over each model's greedy episodes
    from turn k (`offline_lab.teacher_takeover`).
 
@@ -142,7 +143,8 @@ def step0_loss(episodes, student, teacher, tokenizer, action_format, config) -> 
 
 
 def episode_stats(episodes, tokenizer, action_format) -> dict:
-    """F1, turns, malformed actions per turn (and their errors), actions cut at the token limit."""
+    """F1 (mean, and how many episodes score each value), turns, malformed actions per turn (and their errors),
+    actions cut at the token limit, and the first two episodes' actions."""
     by_turn, examples = defaultdict(Counter), defaultdict(list)
     for episode in episodes:
         for invocation in episode.invocations:
@@ -155,7 +157,10 @@ def episode_stats(episodes, tokenizer, action_format) -> dict:
                 cell["error: " + parsed.error.split(";")[0][:40]] += 1
                 examples[invocation.turn].append(tokenizer.decode(invocation.output_ids))
     n = max(1, len(episodes))
-    return {"f1": sum(e.f1 for e in episodes) / n, "turns": sum(e.num_turns for e in episodes) / n,
+    f1_counts = Counter(f"{e.f1:.2f}" for e in episodes)
+    actions = [[tokenizer.decode(invocation.output_ids) for invocation in e.invocations] for e in episodes[:2]]
+    return {"f1": sum(e.f1 for e in episodes) / n, "f1_counts": dict(sorted(f1_counts.items())), "examples": actions,
+            "turns": sum(e.num_turns for e in episodes) / n,
             "malformed_per_episode": sum(e.num_malformed for e in episodes) / n,
             "by_turn": {turn: dict(cell) for turn, cell in sorted(by_turn.items())},
             "malformed_examples": {turn: texts[:3] for turn, texts in sorted(examples.items())}}  # fmt: skip
@@ -236,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
         report[f"{name}_sampled"] = episode_stats(sampled_now, tokenizer, action_format)
         report[f"{name}_takeover"] = offline.teacher_takeover(engine(model), engine(teacher), tasks)
     report["teacher_greedy"] = episode_stats(teacher_greedy, tokenizer, action_format)
+    teacher_sampled, _ = engine(teacher).rollout(tasks, num_generations=config.num_generations)
+    report["teacher_sampled"] = episode_stats(teacher_sampled, tokenizer, action_format)
     rows = token_rows(sampled, tokenizer, action_format, models, config.temperature)
     report["logprobs_on_start_samples"] = mean_logprobs(rows, list(models))
     rows = token_rows(teacher_greedy, tokenizer, action_format, models, config.temperature)
@@ -267,8 +274,11 @@ def print_report(report: dict) -> None:
                 continue
             print(f"\n## {name}, {mode}: F1 {stats['f1']:.3f}, turns {stats['turns']:.2f}, "
                   f"malformed {stats['malformed_per_episode']:.2f} per episode")  # fmt: skip
+            print(f"  episodes per F1: {stats['f1_counts']}")
             for turn, cell in stats["by_turn"].items():
                 print(f"  turn {turn}: {cell}")
+            for actions in stats["examples"]:
+                print("  e.g. " + " | ".join(actions))
     for name in ("start", "trough"):
         print(f"\n## Teacher takeover of the {name}'s greedy episodes from turn k")
         for k, cell in report[f"{name}_takeover"].items():

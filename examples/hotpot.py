@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
             log("[arms] no validation tasks (--teacher_select_tasks 0): the curves are on the held-out tasks")
         generation = dict(max_new_tokens=config.max_new_tokens, max_prompt_length=config.max_prompt_length)
         setup = offline.prepare_offline_models(args, world, output_dir, **generation)
-        refused = offline.check_student_start(setup, args)
+        refused = offline.check_student_start(setup, args) or offline.check_teacher_gain(setup, args)
         if refused:
             fail(refused)
         tokenizer = offline.load_offline_tokenizer(output_dir / "teacher")

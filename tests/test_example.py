@@ -68,6 +68,20 @@ def test_a_student_start_outside_its_intended_range_is_refused_before_any_arm(ho
     assert (out / "student_init" / "config.json").exists() and not (out / "results.json").exists()
 
 
+def test_a_teacher_no_better_than_its_start_is_refused_before_any_arm(hotpot, tmp_path):
+    out = tmp_path / "smoke"
+    with pytest.raises(SystemExit) as stop:  # no teacher is 2 above its start: F1 lies in [0, 1]
+        hotpot.main([*SMOKE, "--output_dir", str(out), "--teacher_min_f1_gain", "2.0"])
+    assert "The teacher's held-out task F1 is" in str(stop.value) and "less than 2.0 above" in str(stop.value)
+    assert "--teacher_min_f1_gain 0" in str(stop.value)
+    assert (out / "student_init" / "config.json").exists() and not (out / "results.json").exists()
+    setup = {"teacher": {"f1": 0.502}, "student_init": {"f1": 0.475}}  # world seed 7's set-up, rebuilt
+    config = offline_lab.OfflineConfig()
+    assert "0.502, less than 0.2 above the student start's (0.475)" in offline_lab.check_teacher_gain(setup, config)
+    setup["teacher"]["f1"] = 0.695  # world seed 0's
+    assert offline_lab.check_teacher_gain(setup, config) is None
+
+
 def test_help_shows_the_defaults_a_run_uses():
     result = _run_script("--help")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -236,7 +250,8 @@ def test_the_smollm2_recipe_fine_tunes_both_models_from_the_checkpoint_with_its_
     tiny = ["--num_train_questions", "8", "--num_eval_questions", "4", "--student_warmup_questions", "4",
             "--teacher_epochs", "0.25", "--student_epochs", "0.25", "--max_steps", "1", "--eval_steps", "1",
             "--per_device_train_batch_size", "1", "--num_generations", "2", "--max_new_tokens", "16",
-            "--student_start_f1_range", "0", "1", "--arms", "memopd", "--cpu_threads", "1"]  # fmt: skip
+            "--student_start_f1_range", "0", "1", "--teacher_min_f1_gain", "0", "--arms", "memopd",
+            "--cpu_threads", "1"]  # fmt: skip
     recipe = ["--config", str(ROOT / "examples" / "smollm2.yaml"), "--base_model", str(smollm2_checkpoint)]
     results = hotpot.main([*recipe, "--output_dir", str(out), "--report_to", "none", *tiny])
     base = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint).state_dict()

@@ -44,6 +44,12 @@ def test_the_trough_report_splits_the_step0_loss_and_the_moves_by_turn_and_part(
     for name in ("start", "trough"):
         assert set(report[f"{name}_greedy"]) >= {"f1", "turns", "malformed_per_episode", "by_turn"}
         assert 0 in report[f"{name}_takeover"]
+    for name in ("teacher_greedy", "teacher_sampled", "trough_sampled"):  # the episodes per F1 add up, and average
+        stats = report[name]
+        counts = stats["f1_counts"]
+        assert sum(counts.values()) * stats["f1"] == pytest.approx(sum(float(f1) * n for f1, n in counts.items()), abs=0.01)
+        assert 1 <= len(stats["examples"]) <= 2 and all(isinstance(text, str) for text in stats["examples"][0])
+    assert sum(report["teacher_sampled"]["f1_counts"].values()) == 2 * 2  # num_tasks x the smoke's num_generations
     moved = report["logprobs_on_start_samples"]
     assert all(cell["start"] <= 0 and cell["trough"] <= 0 for cell in moved.values())
 

@@ -177,6 +177,11 @@ class OfflineConfig:
             The held-out task F1 the student start is meant to have (about 0.5 with two-part tasks: the second answer
             found, the first forgotten). A start outside it is refused before any arm trains
             ([`check_student_start`]); widen it to train such a start anyway. Not part of the recipe.
+        teacher_min_f1_gain (`float`, *optional*, defaults to `0.2`):
+            How far the teacher's held-out task F1 must be above the student start's. A teacher below is refused
+            before any arm trains ([`check_teacher_gain`]): it has too little to distill, and its episodes lead the
+            student into states where the teacher itself fails (docs/results.md, "A teacher no better than its
+            start"). 0 turns the check off. Not part of the recipe.
         student_epochs (`float`, *optional*, defaults to `1.0`):
             Epochs of the student warm-start.
         student_learning_rate (`float`, *optional*, defaults to `3e-3`):
@@ -327,6 +332,13 @@ class OfflineConfig:
         metadata={
             "help": "Held-out task F1 the student start must have (low high); a start outside is refused before any "
             "arm trains. Widen it to train such a start anyway."
+        },
+    )
+    teacher_min_f1_gain: float = field(
+        default=0.2,
+        metadata={
+            "help": "How far the teacher's held-out task F1 must be above the student start's; a teacher below is "
+            "refused before any arm trains (0 turns the check off)."
         },
     )
     student_epochs: float = field(default=1.0, metadata={"help": "Epochs of the student warm-start."})
@@ -808,6 +820,23 @@ def check_student_start(setup: dict[str, dict[str, Any]], config: OfflineConfig)
         f"[{low}, {high}] (the teacher's: {teacher['f1']:.3f}). The arms would not train the start this recipe means "
         "(the second answer found, the first forgotten). Change the world seed or the start's recipe (its cache is "
         "then rebuilt), or pass --student_start_f1_range 0 1 to train it anyway."
+    )
+
+
+def check_teacher_gain(setup: dict[str, dict[str, Any]], config: OfflineConfig) -> str | None:
+    """
+    Why the set-up's teacher must not be distilled (its held-out task F1 less than `config.teacher_min_f1_gain` above
+    the student start's), or `None` when it is far enough above. Such a teacher acts as the start does, or fails where
+    the start's habit succeeds, so the arms would measure nothing the recipe means.
+    """
+    teacher, start = setup["teacher"]["f1"], setup["student_init"]["f1"]
+    if teacher - start >= config.teacher_min_f1_gain:
+        return None
+    return (
+        f"The teacher's held-out task F1 is {teacher:.3f}, less than {config.teacher_min_f1_gain} above the student "
+        f"start's ({start:.3f}): it has little to distill, and MemOPD would train the start towards a teacher that is "
+        "not better. Change the world seed or the teacher's recipe (its cache is then rebuilt), or pass "
+        "--teacher_min_f1_gain 0 to train anyway."
     )
 
 
