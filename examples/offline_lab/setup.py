@@ -29,8 +29,10 @@ the teacher's tokenizer, so a new teacher means a new student).
 """
 
 import copy
+import importlib.metadata
 import json
 import os
+import platform
 import time
 import warnings
 from collections.abc import Callable
@@ -775,7 +777,9 @@ def prepare_offline_models(
 
     Returns:
         `dict[str, dict]`: per role (`"teacher"`, `"student_init"`), the content of its `memopd_setup.json`: held-out
-        `f1` / `em`, `train_seconds`, `parameters`, `expert_turns`, `final_action_nll`, `recipe`, `eval_settings`;
+        `f1` / `em`, `train_seconds`, `parameters`, `expert_turns`, `final_action_nll`, `recipe`, `eval_settings`,
+        `environment` (the versions of the packages the build ran with: a set-up rebuilt under other versions can
+        differ, docs/results.md, "World seed 0 rebuilt on 2026-12-07");
         with multi-objective tasks also `single_f1` / `single_em` and `pretrain_turns`; with `replay_questions`
         `replay_turns`, and with `share_pretraining` `shared_pretraining: true`.
     """
@@ -1011,6 +1015,7 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             "final_action_nll": sum(tail) / len(tail),
             "recipe": recipe,
             "eval_settings": eval_settings(world, **generation),
+            "environment": build_environment(),
         }
         (paths[role] / SETUP_FILE).write_text(json.dumps(info, indent=2))
         single = f", single questions F1 {info['single_f1']:.3f}" if "single_f1" in info else ""
@@ -1022,6 +1027,21 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             f"action NLL {info['final_action_nll']:.3f}, held-out F1 {scores['f1']:.3f} EM {scores['em']:.3f}{single} "
             f"({seconds:.0f} s)"
         )
+
+
+# The packages a set-up's numbers depend on (training, tokenizing, retrieval), recorded beside each model it builds.
+ENVIRONMENT_PACKAGES = ("torch", "transformers", "tokenizers", "accelerate", "trl", "numpy", "bm25s")
+
+
+def build_environment() -> dict[str, str]:
+    """The installed version of each of `ENVIRONMENT_PACKAGES` (`"absent"` when not installed) and of Python."""
+    versions = {"python": platform.python_version()}
+    for name in ENVIRONMENT_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
 
 
 def _full_history_factory(env_factory):

@@ -23,7 +23,7 @@ from offline_lab import (
     make_offline_world,
     prepare_offline_models,
 )
-from offline_lab.setup import offline_recipes
+from offline_lab.setup import ENVIRONMENT_PACKAGES, offline_recipes
 
 
 TINY = dict(
@@ -97,6 +97,9 @@ def test_models_are_built_with_their_recipe_and_load_back_identically(built):
         info = json.loads((out / role / "memopd_setup.json").read_text())
         assert info == setup[role] and info["recipe"] == recipes[role]
         assert 0.0 <= info["f1"] <= 1.0 and info["expert_turns"] > 0 and info["final_action_nll"] > 0
+        # The versions it was built with: a set-up rebuilt under others can differ.
+        assert info["environment"]["torch"] == torch.__version__ and info["environment"]["bm25s"] != "absent"
+        assert set(info["environment"]) == {"python", *ENVIRONMENT_PACKAGES}
     assert setup["student_init"]["expert_turns"] < setup["teacher"]["expert_turns"], "the student sees fewer questions"
     tokenizer = load_offline_tokenizer(out / "teacher")
     # The ids are those of the saved tokenizer.json (numbers not split into digits, as a Qwen2Tokenizer would).
