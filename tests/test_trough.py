@@ -47,7 +47,8 @@ def test_the_trough_report_splits_the_step0_loss_and_the_moves_by_turn_and_part(
     for name in ("teacher_greedy", "teacher_sampled", "trough_sampled"):  # the episodes per F1 add up, and average
         stats = report[name]
         counts = stats["f1_counts"]
-        assert sum(counts.values()) * stats["f1"] == pytest.approx(sum(float(f1) * n for f1, n in counts.items()), abs=0.01)
+        total = sum(float(f1) * n for f1, n in counts.items())
+        assert sum(counts.values()) * stats["f1"] == pytest.approx(total, abs=0.01)
         assert 1 <= len(stats["examples"]) <= 2 and all(isinstance(text, str) for text in stats["examples"][0])
     assert sum(report["teacher_sampled"]["f1_counts"].values()) == 2 * 2  # num_tasks x the smoke's num_generations
     moved = report["logprobs_on_start_samples"]

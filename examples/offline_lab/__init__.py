@@ -63,8 +63,8 @@ __all__ = [
     "MEMORY_MODES", "NAME_SYLLABLES", "RECIPE_VERSION", "VARLEN_ATTENTION", "OfflineConfig", "OfflineWorld",
     "SyntheticExpert", "SyntheticWorld", "build_offline_tokenizer", "build_tiny_model", "build_tokenizer",
     "cached_start_scores", "check_student_start", "check_teacher_gain", "copy_task_invocations", "eval_curve",
-    "eval_settings", "expert_invocations", "expert_labels", "expert_trajectories", "format_table", "greedy_scores", "imitation_train", "load_offline_model",
-    "load_offline_tokenizer", "make_offline_world", "make_synthetic_world", "misalignment_curve", "offline_recipes",
-    "play_episode", "prepare_offline_models", "summarize", "takeover_rollout", "teacher_takeover", "train_tiny_agent",
-    "validation_tasks", "write_report",
+    "eval_settings", "expert_invocations", "expert_labels", "expert_trajectories", "format_table", "greedy_scores",
+    "imitation_train", "load_offline_model", "load_offline_tokenizer", "make_offline_world", "make_synthetic_world",
+    "misalignment_curve", "offline_recipes", "play_episode", "prepare_offline_models", "summarize", "takeover_rollout",
+    "teacher_takeover", "train_tiny_agent", "validation_tasks", "write_report",
 ]  # fmt: skip

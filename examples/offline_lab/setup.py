@@ -1015,7 +1015,7 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             "final_action_nll": sum(tail) / len(tail),
             "recipe": recipe,
             "eval_settings": eval_settings(world, **generation),
-            "environment": build_environment(),
+            "environment": package_versions(),
         }
         (paths[role] / SETUP_FILE).write_text(json.dumps(info, indent=2))
         single = f", single questions F1 {info['single_f1']:.3f}" if "single_f1" in info else ""
@@ -1033,7 +1033,7 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
 ENVIRONMENT_PACKAGES = ("torch", "transformers", "tokenizers", "accelerate", "trl", "numpy", "bm25s")
 
 
-def build_environment() -> dict[str, str]:
+def package_versions() -> dict[str, str]:
     """The installed version of each of `ENVIRONMENT_PACKAGES` (`"absent"` when not installed) and of Python."""
     versions = {"python": platform.python_version()}
     for name in ENVIRONMENT_PACKAGES:
