@@ -166,6 +166,14 @@ class MemOPDConfig(_BaseConfig):
             the near-certain tokens of a start that samples almost deterministically; so it holds the student at
             learning rates where that KL does not (docs/results.md, "Holding the start that never had the policy"). 0 = off;
             it needs `distill_warmup_steps > 0`.
+        distill_warmup_release_loss (`float`, *optional*, defaults to `0.0`):
+            When > 0, the warm-up ends once the student has learned the teacher's continuations: at the first rollout
+            after the distillation loss on the teacher's episodes (nats per distilled token), measured on each
+            rollout's first update, before the student has trained on it, and averaged over the last 3 rollouts, has
+            fallen to this value; `distill_warmup_steps` then bounds the warm-up. A release before then flips the
+            student's choices into states it cannot yet act in, and it falls as far as that loss is high
+            (docs/results.md, "A release that waits for the continuations"). 0 = the warm-up lasts
+            `distill_warmup_steps`; it needs `distill_warmup_steps > 0`.
 
         > Parameters that control the training
 
@@ -469,6 +477,14 @@ class MemOPDConfig(_BaseConfig):
             "teach it the continuations; 0 = off."
         },
     )
+    distill_warmup_release_loss: float = field(
+        default=0.0,
+        metadata={
+            "help": "When > 0, the warm-up ends at the first rollout after the loss on the teacher's episodes "
+            "(measured before training on each rollout, the mean of the last 3) has fallen to this value, within "
+            "`distill_warmup_steps`; 0 = the warm-up lasts `distill_warmup_steps`."
+        },
+    )
 
     # Parameters that control the training
     ppo_coef: float = field(default=1.0, metadata={"help": "Weight of the PPO loss (0 gives pure distillation)."})
@@ -644,14 +660,14 @@ class MemOPDConfig(_BaseConfig):
                 f"`distill_warmup_steps` ({self.distill_warmup_steps}) distills on the teacher's own episodes only, "
                 "but `teacher_generations` is 0: set `teacher_generations` > 0, or `distill_warmup_steps=0`."
             )
-        for name in ("distill_warmup_kl_coef", "distill_warmup_anchor_coef"):  # the warm-up's holds on the start
+        for name in ("distill_warmup_kl_coef", "distill_warmup_anchor_coef", "distill_warmup_release_loss"):
             value = getattr(self, name)
             if value < 0:
                 bad(name, ">= 0")
             if value > 0 and self.distill_warmup_steps == 0:
                 raise ValueError(
-                    f"`{name}` ({value}) holds the student to its start during the distillation warm-up, but "
-                    f"`distill_warmup_steps` is 0: set `distill_warmup_steps` > 0, or `{name}=0`."
+                    f"`{name}` ({value}) is a setting of the distillation warm-up, but `distill_warmup_steps` is 0: "
+                    f"set `distill_warmup_steps` > 0, or `{name}=0`."
                 )
         if self.distill_warmup_steps > 0 and self.distill_divergence_threshold == 0:
             raise ValueError(

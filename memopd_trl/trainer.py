@@ -21,6 +21,7 @@ The trainer orchestrates; the maths lives in `losses.py`, the packing in `packin
 """
 
 import copy
+import json
 import os
 import time
 from collections import defaultdict
@@ -36,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_callback import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import is_peft_available, logging
 from trl.models.utils import _ForwardRedirection, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
@@ -113,6 +115,8 @@ logger = logging.get_logger(__name__)
 
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+WARMUP_STATE_FILE = "distill_warmup.json"  # a checkpoint's warm-up release (`distill_warmup_release_loss`)
+RELEASE_WINDOW = 3  # rollouts whose teacher-play loss `distill_warmup_release_loss` averages
 
 
 class MemOPDTrainer(_BaseTrainer):
@@ -212,6 +216,9 @@ class MemOPDTrainer(_BaseTrainer):
         self._loss_sums: defaultdict[str, float] = defaultdict(float)  # loss terms of this batch, over its rows
         self._diagnostics: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []  # per row, with `rewarded`
         self._micro_step: int | None = None
+        self._fresh_batch = False  # whether this micro-batch is a new rollout's first update
+        self._warmup_released = False  # `distill_warmup_release_loss` ended the warm-up
+        self._release_losses: list[float] = []  # the teacher-play loss on each new rollout, before training on it
 
         super().__init__(
             model=model,
@@ -355,7 +362,10 @@ class MemOPDTrainer(_BaseTrainer):
             self._micro_step = self.state.global_step * accumulation
         slot = self._micro_step % accumulation
         first_update_of_round = (self._micro_step // accumulation) % self.args.num_iterations == 0
-        if first_update_of_round or slot not in self._buffers:
+        self._fresh_batch = first_update_of_round or slot not in self._buffers
+        if self._fresh_batch:
+            if slot == 0:  # the warm-up ends between rollouts
+                self._maybe_release_warmup()
             rollout = self._rollout(records)  # 1. play episodes
             batch = self._score(rollout)  # 2-4. pack, advantages, teacher and reference scoring
             if self.args.teacher_generations > 0 and isinstance(batch, ScoredBatch):
@@ -533,8 +543,9 @@ class MemOPDTrainer(_BaseTrainer):
         return play
 
     def _in_distill_warmup(self) -> bool:
-        """Whether this step is in the distillation warm-up (`distill_warmup_steps`)."""
-        return self.state.global_step < self.args.distill_warmup_steps
+        """Whether this step is in the distillation warm-up (`distill_warmup_steps`, or less once
+        `distill_warmup_release_loss` ended it)."""
+        return self.state.global_step < self.args.distill_warmup_steps and not self._warmup_released
 
     def _kl_coef(self) -> float:
         """The weight of the KL to the student's start now: `distill_warmup_kl_coef` during the distillation warm-up,
@@ -623,8 +634,34 @@ class MemOPDTrainer(_BaseTrainer):
             with nullcontext() if last else deferred_gradient_sync(self.accelerator, model):
                 piece_loss = super().training_step(model, piece, num_items_in_batch)
             loss = piece_loss if loss is None else loss + piece_loss
+        if self._fresh_batch and self.args.distill_warmup_release_loss > 0 and self._in_distill_warmup():
+            self._record_release_loss(self._loss_sums.get("loss/distill_teacher_play"))
         self._log_loss_sums()
         return loss
+
+    def _record_release_loss(self, loss: float | None) -> None:
+        """Keep `loss`, the teacher-play loss of a rollout's first update on this process (`None` where its batch had
+        none), averaged over the processes, for `_maybe_release_warmup`. Collective."""
+        measured = torch.tensor([float("nan") if loss is None else loss], device=self.accelerator.device)
+        measured = self.accelerator.gather(measured)
+        measured = measured[measured.isfinite()]
+        if len(measured):
+            self._release_losses = [*self._release_losses, measured.mean().item()][-RELEASE_WINDOW:]
+
+    def _maybe_release_warmup(self) -> None:
+        """End the warm-up before `distill_warmup_steps` once the student has learned the teacher's continuations: the
+        teacher-play loss of the last `RELEASE_WINDOW` rollouts, each before training on it, is at most
+        `distill_warmup_release_loss` on average."""
+        threshold, losses = self.args.distill_warmup_release_loss, self._release_losses
+        if threshold > 0 and self._in_distill_warmup() and len(losses) == RELEASE_WINDOW:
+            if sum(losses) / len(losses) <= threshold:
+                self._warmup_released = True
+                logger.info(
+                    f"Distillation warm-up released at step {self.state.global_step}: the loss on the teacher's "
+                    f"episodes is {sum(losses) / len(losses):.3f} (at most {threshold})."
+                )
+        if threshold > 0:
+            self._record_metric("distill/warmup", float(self._in_distill_warmup()))
 
     def _prepare_inputs(self, inputs):
         if isinstance(inputs, LossPiece):  # `transformers.Trainer.training_step` on one row of a prepared batch
@@ -937,8 +974,17 @@ class MemOPDTrainer(_BaseTrainer):
         path = os.path.join(resume_from_checkpoint, VALUE_HEAD_FILE)
         if self.value_head is not None and os.path.exists(path):
             self.value_head.load_state_dict(load_file(path, device=str(self.accelerator.device)))
+        path = Path(resume_from_checkpoint, WARMUP_STATE_FILE)
+        if path.exists():
+            state = json.loads(path.read_text())
+            self._warmup_released, self._release_losses = state["released"], state["losses"]
 
     def _save_checkpoint(self, model, trial):
+        if self.args.distill_warmup_release_loss > 0 and self.args.should_save:  # before trainer_state.json, last
+            folder = Path(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder.mkdir(parents=True, exist_ok=True)
+            state = {"released": self._warmup_released, "losses": self._release_losses}
+            (folder / WARMUP_STATE_FILE).write_text(json.dumps(state))
         if self.args.hub_model_id is None:
             model_name = Path(self.args.output_dir).name
         else:

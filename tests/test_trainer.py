@@ -1366,3 +1366,39 @@ def test_distill_warmup_anchor_coef_is_the_starts_full_vocabulary_kl_on_the_stud
     with pytest.raises(ValueError, match="`distill_warmup_anchor_coef` must be >= 0"):
         make_config(tmp_path, distill_warmup_steps=1, teacher_generations=1, distill_divergence_threshold=0.1,
                     distill_warmup_anchor_coef=-1.0)  # fmt: skip
+
+
+def test_distill_warmup_release_loss_ends_the_warm_up_once_the_teacher_play_loss_is_low_and_a_resume_keeps_it(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    warm = dict(num_generations=2, teacher_generations=1, distill_warmup_steps=100, distill_divergence_threshold=0.1,
+                distill_warmup_anchor_coef=1.0, misalignment_audit_steps=0, max_steps=5, temperature=1.3,
+                save_strategy="steps", save_steps=1)  # fmt: skip
+
+    def run(output, release_loss, resume=None, callbacks=None):
+        trainer = MemOPDTrainer(
+            model=make_tiny_model(seed=0), teacher_model=make_tiny_model(seed=1),
+            args=make_config(tmp_path, output_dir=str(tmp_path / output), distill_warmup_release_loss=release_loss,
+                             **warm),
+            train_dataset=world.records, env_factory=env_factory, processing_class=tiny_tokenizer, callbacks=callbacks,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        logs = [h for h in trainer.state.log_history if "distill/warmup" in h]
+        return trainer, [h["distill/warmup"] for h in logs], [h.get("loss/anchor") for h in logs]
+
+    # Every step is a new rollout (num_iterations=1): three measured rollouts, then a loss below any bound releases.
+    trainer, warmup, anchor = run("released", release_loss=1e3)
+    assert warmup == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert all(a is not None for a in anchor[:3]) and anchor[3:] == [None, None], "the anchor ends with the warm-up"
+    play = [h["loss/distill_teacher_play"] for h in trainer.state.log_history if "distill/warmup" in h]
+    assert trainer._release_losses == pytest.approx(play[:3], rel=1e-5), "the losses of the rollouts it waited on"
+    _, warmup, _ = run("held", release_loss=1e-9)  # a bound the loss does not reach: the warm-up goes on
+    assert warmup == [1.0] * 5
+    # A resume after the release does not go back into the warm-up.
+    run("interrupted", release_loss=1e3, callbacks=[StopAfter(4)])
+    _, warmup, _ = run("interrupted", release_loss=1e3, resume=str(tmp_path / "interrupted" / "checkpoint-4"))
+    assert warmup == [1.0, 1.0, 1.0, 0.0, 0.0]  # steps 1-4 from the checkpoint's history, step 5 resumed
+    with pytest.raises(ValueError, match="`distill_warmup_release_loss` .* but `distill_warmup_steps` is 0"):
+        make_config(tmp_path, distill_warmup_release_loss=0.2)
+    with pytest.raises(ValueError, match="`distill_warmup_release_loss` must be >= 0"):
+        make_config(tmp_path, **{**warm, "distill_warmup_release_loss": -1.0})
