@@ -37,6 +37,7 @@ ARMS = {
         "distill_warmup_steps": 0,
         "distill_warmup_kl_coef": 0.0,
         "distill_warmup_anchor_coef": 0.0,
+        "distill_warmup_release_loss": 0.0,
     },  # fmt: skip
     "memopd": {"teacher_scoring": "aligned"},
     "memopd_persistent": {"teacher_scoring": "persistent"},

@@ -431,7 +431,7 @@ def test_the_ppo_arm_turns_off_every_distillation_setting_a_run_was_given(tmp_pa
     from offline_lab.compare import arm_config
 
     warm_up = dict(teacher_generations=1, distill_divergence_threshold=0.1, distill_warmup_steps=5,
-                   distill_warmup_kl_coef=1.0, distill_warmup_anchor_coef=1.0)  # fmt: skip
+                   distill_warmup_kl_coef=1.0, distill_warmup_anchor_coef=1.0, distill_warmup_release_loss=0.2)  # fmt: skip
     config = MemOPDConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", per_device_train_batch_size=2,
                           num_generations=2, **warm_up)  # fmt: skip
     ppo = arm_config(config, "ppo", seed=0)  # a setting left on without its warm-up is refused by the config
