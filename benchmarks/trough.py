@@ -12,12 +12,14 @@ that are not validation tasks; everything measured is on the validation tasks (`
    per turn and part, how many tokens the episode-scoped divergence mask keeps, their share of the forward KL, and
    the norm of the gradient each turn's kept loss alone gives the weights.
 2. **What moved**, start -> trough: the mean log-prob of the start's sampled tokens and of the teacher's greedy tokens
-   (in the teacher's own states) under each model, per turn and part.
+   (in the teacher's own states) under each model, per turn and part; on the teacher's tokens also at and after each
+   episode's branch point (its first token the start gives less than `distill_divergence_threshold`).
 3. **How the episodes change**: greedy and sampled F1 (and how many episodes score each value), turns, malformed
    actions per turn with their errors, outputs cut at `max_new_tokens`, the first episodes' actions; the same for the
    teacher's own episodes, which the student is distilled towards.
 4. **Whether the teacher can recover from the student's states**: the teacher takes over each model's greedy episodes
-   from turn k (`offline_lab.teacher_takeover`).
+   from turn k (`offline_lab.teacher_takeover`). **And whether each model can act in the teacher's states**: it
+   finishes the teacher's greedy episodes from turn k.
 
 Prints the tables and writes them to `<output_dir>/trough-<seed>-<step>.json`.
 """
@@ -25,6 +27,7 @@ Prints the tables and writes them to `<output_dir>/trough-<seed>-<step>.json`.
 import argparse
 import copy
 import json
+import math
 import sys
 from collections import Counter, defaultdict
 from dataclasses import replace
@@ -166,11 +169,26 @@ def episode_stats(episodes, tokenizer, action_format) -> dict:
             "malformed_examples": {turn: texts[:3] for turn, texts in sorted(examples.items())}}  # fmt: skip
 
 
+def mark_branch_points(rows: list[dict], threshold: float) -> list[dict]:
+    """Mark each row (`token_rows` of one model's episodes) by where it lies against its episode's branch point, the
+    first token the start gives a probability below `threshold` (the token the warm-up leaves out): `"before"`, `"at"`
+    or `"after"`."""
+    below = torch.tensor([row["start"] for row in rows]) < math.log(threshold)
+    first = until_first_divergence(torch.tensor([row["start"] for row in rows]),
+                                   torch.tensor([row["episode"] for row in rows]), threshold)  # fmt: skip
+    for row, is_below, kept in zip(rows, below.tolist(), first.tolist(), strict=True):
+        row["branch"] = ("at" if is_below else "before") if kept else "after"
+    return rows
+
+
 def mean_logprobs(rows: list[dict], names: list[str]) -> dict:
+    """Each model's mean log-prob per turn and part, and per turn against the branch point where rows are marked."""
     cells = defaultdict(list)
     for row in rows:
         cells[f"{row['turn']}/{row['part']}"].append(row)
         cells[f"{row['turn']}/all"].append(row)
+        if "branch" in row and row["branch"] != "before":
+            cells[f"{row['turn']}/{row['branch']} the branch"].append(row)
     return {key: {"tokens": len(group), **{name: sum(r[name] for r in group) / len(group) for name in names}}
             for key, group in sorted(cells.items())}  # fmt: skip
 
@@ -240,12 +258,14 @@ def main(argv: list[str] | None = None) -> dict:
         report[f"{name}_greedy"] = episode_stats(greedy, tokenizer, action_format)
         report[f"{name}_sampled"] = episode_stats(sampled_now, tokenizer, action_format)
         report[f"{name}_takeover"] = offline.teacher_takeover(engine(model), engine(teacher), tasks)
+        report[f"{name}_finishes_teacher"] = offline.teacher_takeover(engine(teacher), engine(model), tasks)
     report["teacher_greedy"] = episode_stats(teacher_greedy, tokenizer, action_format)
     teacher_sampled, _ = engine(teacher).rollout(tasks, num_generations=config.num_generations)
     report["teacher_sampled"] = episode_stats(teacher_sampled, tokenizer, action_format)
     rows = token_rows(sampled, tokenizer, action_format, models, config.temperature)
     report["logprobs_on_start_samples"] = mean_logprobs(rows, list(models))
     rows = token_rows(teacher_greedy, tokenizer, action_format, models, config.temperature)
+    rows = mark_branch_points(rows, config.distill_divergence_threshold or 0.1)
     report["logprobs_on_teacher_greedy"] = mean_logprobs(rows, list(models))
     path = output_dir / f"trough-{seed}-{ours.trough_step}.json"
     path.write_text(json.dumps(report, indent=1, default=str))
@@ -282,6 +302,9 @@ def print_report(report: dict) -> None:
     for name in ("start", "trough"):
         print(f"\n## Teacher takeover of the {name}'s greedy episodes from turn k")
         for k, cell in report[f"{name}_takeover"].items():
+            print(f"  k={k}: F1 {cell['f1']:.3f}, turns {cell['mean_turns']:.2f}, taken over {cell['taken_over']:.2f}")
+        print(f"\n## The {name} finishing the teacher's greedy episodes from turn k")
+        for k, cell in report[f"{name}_finishes_teacher"].items():
             print(f"  k={k}: F1 {cell['f1']:.3f}, turns {cell['mean_turns']:.2f}, taken over {cell['taken_over']:.2f}")
 
 

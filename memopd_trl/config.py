@@ -167,13 +167,13 @@ class MemOPDConfig(_BaseConfig):
             learning rates where that KL does not (docs/results.md, "Holding the start that never had the policy"). 0 = off;
             it needs `distill_warmup_steps > 0`.
         distill_warmup_release_loss (`float`, *optional*, defaults to `0.0`):
-            When > 0, the warm-up ends once the student has learned the teacher's continuations: at the first rollout
-            after the distillation loss on the teacher's episodes (nats per distilled token), measured on each
-            rollout's first update, before the student has trained on it, and averaged over the last 3 rollouts, has
-            fallen to this value; `distill_warmup_steps` then bounds the warm-up. A release before then flips the
-            student's choices into states it cannot yet act in, and it falls as far as that loss is high
-            (docs/results.md, "A release that waits for the continuations"). 0 = the warm-up lasts
-            `distill_warmup_steps`; it needs `distill_warmup_steps > 0`.
+            When > 0, the warm-up ends once the student can act in the teacher's states at every turn: at the first
+            rollout after the distillation loss on the teacher's episodes (nats per distilled token), measured on each
+            rollout's first update, before the student has trained on it, over the last 3 rollouts, has fallen to
+            this value in its worst turn; `distill_warmup_steps` then bounds the warm-up. A release before then flips
+            the student's choices into states it cannot yet act in: on the offline world the mean over turns hides
+            the answer turn, which the student learns last (docs/results.md, "What the release falls into"). 0 = the
+            warm-up lasts `distill_warmup_steps`; it needs `distill_warmup_steps > 0`.
 
         > Parameters that control the training
 
@@ -481,8 +481,8 @@ class MemOPDConfig(_BaseConfig):
         default=0.0,
         metadata={
             "help": "When > 0, the warm-up ends at the first rollout after the loss on the teacher's episodes "
-            "(measured before training on each rollout, the mean of the last 3) has fallen to this value, within "
-            "`distill_warmup_steps`; 0 = the warm-up lasts `distill_warmup_steps`."
+            "(measured before training on each rollout, over the last 3) has fallen to this value in its worst turn, "
+            "within `distill_warmup_steps`; 0 = the warm-up lasts `distill_warmup_steps`."
         },
     )
 

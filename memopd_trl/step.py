@@ -183,6 +183,11 @@ class TeacherPlay:
     joint_rows: list[dict[str, Any]]
     distill_mask: torch.Tensor | None = None
 
+    @property
+    def turns(self) -> torch.Tensor:
+        """`(N_play,)`: the turn of each action token, in the canonical order."""
+        return torch.tensor([inv.turn for inv in self.invocations for _ in inv.output_ids], dtype=torch.long)
+
 
 @dataclass
 class ScoredBatch:

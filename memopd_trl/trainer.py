@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate.utils import send_to_device
+from accelerate.utils import gather_object, send_to_device
 from datasets import Dataset
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -218,7 +218,9 @@ class MemOPDTrainer(_BaseTrainer):
         self._micro_step: int | None = None
         self._fresh_batch = False  # whether this micro-batch is a new rollout's first update
         self._warmup_released = False  # `distill_warmup_release_loss` ended the warm-up
-        self._release_losses: list[float] = []  # the teacher-play loss on each new rollout, before training on it
+        # The teacher-play loss by turn ({turn: [sum, tokens]}): this batch's, and each new rollout's before training on it.
+        self._play_by_turn: defaultdict[int, list[float]] = defaultdict(lambda: [0.0, 0])
+        self._release_losses: list[dict[int, list[float]]] = []
 
         super().__init__(
             model=model,
@@ -634,31 +636,45 @@ class MemOPDTrainer(_BaseTrainer):
             with nullcontext() if last else deferred_gradient_sync(self.accelerator, model):
                 piece_loss = super().training_step(model, piece, num_items_in_batch)
             loss = piece_loss if loss is None else loss + piece_loss
+        by_turn = self._log_loss_sums()
         if self._fresh_batch and self.args.distill_warmup_release_loss > 0 and self._in_distill_warmup():
-            self._record_release_loss(self._loss_sums.get("loss/distill_teacher_play"))
-        self._log_loss_sums()
+            self._record_release_loss(by_turn)
         return loss
 
-    def _record_release_loss(self, loss: float | None) -> None:
-        """Keep `loss`, the teacher-play loss of a rollout's first update on this process (`None` where its batch had
-        none), averaged over the processes, for `_maybe_release_warmup`. Collective."""
-        measured = torch.tensor([float("nan") if loss is None else loss], device=self.accelerator.device)
-        measured = self.accelerator.gather(measured)
-        measured = measured[measured.isfinite()]
-        if len(measured):
-            self._release_losses = [*self._release_losses, measured.mean().item()][-RELEASE_WINDOW:]
+    def _record_release_loss(self, by_turn: dict[int, list[float]]) -> None:
+        """Keep `by_turn`, a rollout's teacher-play loss by turn at its first update on this process, added up over
+        the processes, for `_maybe_release_warmup`. Collective."""
+        merged = defaultdict(lambda: [0.0, 0])
+        for process in gather_object([by_turn]):
+            for turn, (total, tokens) in process.items():
+                merged[turn][0] += total
+                merged[turn][1] += tokens
+        if merged:
+            self._release_losses = [*self._release_losses, dict(merged)][-RELEASE_WINDOW:]
+
+    def _release_loss(self) -> float | None:
+        """The teacher-play loss of the last `RELEASE_WINDOW` rollouts, each before training on it, in its worst turn
+        (nats per distilled token); `None` until that many were measured."""
+        if len(self._release_losses) < RELEASE_WINDOW:
+            return None
+        merged = defaultdict(lambda: [0.0, 0])
+        for by_turn in self._release_losses:
+            for turn, (total, tokens) in by_turn.items():
+                merged[turn][0] += total
+                merged[turn][1] += tokens
+        return max(total / tokens for total, tokens in merged.values())
 
     def _maybe_release_warmup(self) -> None:
-        """End the warm-up before `distill_warmup_steps` once the student has learned the teacher's continuations: the
-        teacher-play loss of the last `RELEASE_WINDOW` rollouts, each before training on it, is at most
-        `distill_warmup_release_loss` on average."""
-        threshold, losses = self.args.distill_warmup_release_loss, self._release_losses
-        if threshold > 0 and self._in_distill_warmup() and len(losses) == RELEASE_WINDOW:
-            if sum(losses) / len(losses) <= threshold:
+        """End the warm-up before `distill_warmup_steps` once the student can act in the teacher's states at every turn:
+        `_release_loss` is at most `distill_warmup_release_loss`."""
+        threshold = self.args.distill_warmup_release_loss
+        if threshold > 0 and self._in_distill_warmup():
+            worst = self._release_loss()
+            if worst is not None and worst <= threshold:
                 self._warmup_released = True
                 logger.info(
                     f"Distillation warm-up released at step {self.state.global_step}: the loss on the teacher's "
-                    f"episodes is {sum(losses) / len(losses):.3f} (at most {threshold})."
+                    f"episodes is {worst:.3f} nats per token in its worst turn (at most {threshold})."
                 )
         if threshold > 0:
             self._record_metric("distill/warmup", float(self._in_distill_warmup()))
@@ -815,9 +831,14 @@ class MemOPDTrainer(_BaseTrainer):
                     distilled = distilled[batch.distill_mask[actions]]
                 if counts["play"]:
                     play_divergence = divergence(play_hidden, batch.teacher_play.teacher, play_actions)
+                    play_turns = batch.teacher_play.turns[play_actions.cpu()]
                     if batch.teacher_play.distill_mask is not None:  # the warm-up: each episode's branch point left out
-                        play_divergence = play_divergence[batch.teacher_play.distill_mask[play_actions]]
+                        kept = batch.teacher_play.distill_mask[play_actions]
+                        play_divergence, play_turns = play_divergence[kept], play_turns[kept.cpu()]
                     sums["loss/distill_teacher_play"] += play_divergence.sum().item() / counts["play"]
+                    for turn, value in zip(play_turns.tolist(), play_divergence.detach().tolist(), strict=True):
+                        self._play_by_turn[turn][0] += value
+                        self._play_by_turn[turn][1] += 1
                     distilled = torch.cat([distilled, play_divergence])
                 distill = distilled.mean() if distilled.numel() else hidden.new_zeros(())
                 distill = distill * (distilled.numel() / max(counts["distilled"], 1))
@@ -838,13 +859,18 @@ class MemOPDTrainer(_BaseTrainer):
         self._log_loss_sums()
         return loss
 
-    def _log_loss_sums(self) -> None:
-        """Log the batch's loss terms, added up over its rows, and its distillation diagnostics over all its rows."""
+    def _log_loss_sums(self) -> dict[int, list[float]]:
+        """Log the batch's loss terms, added up over its rows, its distillation diagnostics over all its rows, and its
+        teacher-play loss by turn (`distill/teacher_play_turn_<k>`), which it returns as `{turn: [sum, tokens]}`."""
         metrics = self._metrics["train"]
         logged = {**self._loss_sums, **(diagnostics_by_reward(self._diagnostics) if self._diagnostics else {})}
+        by_turn = dict(self._play_by_turn)
+        logged.update({f"distill/teacher_play_turn_{turn}": total / tokens for turn, (total, tokens) in by_turn.items()})
         for name, value in logged.items():
             metrics[name].append(value)
         self._loss_sums, self._diagnostics = defaultdict(float), []
+        self._play_by_turn = defaultdict(lambda: [0.0, 0])
+        return by_turn
 
     def _log_rollout(self, rollout: Rollout, batch: ScoredBatch | SkippedBatch) -> None:
         """Record the statistics of one rollout (and of its packed batch) for the next `log`. Collective."""
@@ -977,7 +1003,8 @@ class MemOPDTrainer(_BaseTrainer):
         path = Path(resume_from_checkpoint, WARMUP_STATE_FILE)
         if path.exists():
             state = json.loads(path.read_text())
-            self._warmup_released, self._release_losses = state["released"], state["losses"]
+            self._warmup_released = state["released"]
+            self._release_losses = [{int(turn): cell for turn, cell in by_turn.items()} for by_turn in state["losses"]]
 
     def _save_checkpoint(self, model, trial):
         if self.args.distill_warmup_release_loss > 0 and self.args.should_save:  # before trainer_state.json, last

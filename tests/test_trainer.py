@@ -1390,8 +1390,20 @@ def test_distill_warmup_release_loss_ends_the_warm_up_once_the_teacher_play_loss
     trainer, warmup, anchor = run("released", release_loss=1e3)
     assert warmup == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert all(a is not None for a in anchor[:3]) and anchor[3:] == [None, None], "the anchor ends with the warm-up"
-    play = [h["loss/distill_teacher_play"] for h in trainer.state.log_history if "distill/warmup" in h]
-    assert trainer._release_losses == pytest.approx(play[:3], rel=1e-5), "the losses of the rollouts it waited on"
+    # It waited on the loss of the last three rollouts in their worst turn: the turns' token-weighted means.
+    logged = [h for h in trainer.state.log_history if "distill/warmup" in h][:3]
+    window = trainer._release_losses
+    assert len(window) == 3 and all(len(by_turn) >= 2 for by_turn in window), "a loss for each turn of the teacher's"
+    for entry, by_turn in zip(logged, window, strict=True):
+        assert {f"distill/teacher_play_turn_{t}": total / n for t, (total, n) in by_turn.items()} == pytest.approx(
+            {k: v for k, v in entry.items() if k.startswith("distill/teacher_play_turn_")}, rel=1e-4)
+        tokens = sum(n for _, n in by_turn.values())
+        mean = sum(total for total, _ in by_turn.values()) / tokens
+        assert entry["loss/distill_teacher_play"] == pytest.approx(mean, rel=1e-4), "the turns add up to the loss"
+    turns = {t for by_turn in window for t in by_turn}
+    worst = max(sum(w[t][0] for w in window if t in w) / sum(w[t][1] for w in window if t in w) for t in turns)
+    assert trainer._release_loss() == pytest.approx(worst) and worst > min(
+        sum(w[t][0] for w in window if t in w) / sum(w[t][1] for w in window if t in w) for t in turns)
     _, warmup, _ = run("held", release_loss=1e-9)  # a bound the loss does not reach: the warm-up goes on
     assert warmup == [1.0] * 5
     # A resume after the release does not go back into the warm-up.

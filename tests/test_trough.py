@@ -1,6 +1,7 @@
 """benchmarks/trough.py (why MemOPD first breaks its student) on the smoke preset, and the validation split it uses."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,8 @@ def test_the_trough_report_splits_the_step0_loss_and_the_moves_by_turn_and_part(
     for name in ("start", "trough"):
         assert set(report[f"{name}_greedy"]) >= {"f1", "turns", "malformed_per_episode", "by_turn"}
         assert 0 in report[f"{name}_takeover"]
+        own, finishing = report[f"{name}_greedy"]["f1"], report[f"{name}_finishes_teacher"]
+        assert finishing[0]["f1"] == pytest.approx(own), "from turn 0 the model plays the teacher's episodes alone"
     for name in ("teacher_greedy", "teacher_sampled", "trough_sampled"):  # the episodes per F1 add up, and average
         stats = report[name]
         counts = stats["f1_counts"]
@@ -53,6 +56,16 @@ def test_the_trough_report_splits_the_step0_loss_and_the_moves_by_turn_and_part(
     assert sum(report["teacher_sampled"]["f1_counts"].values()) == 2 * 2  # num_tasks x the smoke's num_generations
     moved = report["logprobs_on_start_samples"]
     assert all(cell["start"] <= 0 and cell["trough"] <= 0 for cell in moved.values())
+    # On the teacher's tokens, the branch point is one token per episode at most, the start's first below the bound.
+    teacher = report["logprobs_on_teacher_greedy"]
+    at = [cell for key, cell in teacher.items() if key.endswith("/at the branch")]
+    assert sum(cell["tokens"] for cell in at) <= 2 and all(cell["start"] < math.log(0.1) for cell in at)
+
+
+def test_branch_points_split_each_episode_at_its_first_unlikely_token(trough):
+    rows = [{"episode": e, "start": lp} for e, lp in ((0, -0.1), (0, -3.0), (0, -0.1), (0, -5.0), (1, -0.2))]
+    marks = [row["branch"] for row in trough.mark_branch_points(rows, threshold=0.1)]
+    assert marks == ["before", "at", "after", "after", "before"]
 
 
 def test_token_parts_follow_the_tags(trough, tiny_tokenizer):
