@@ -173,7 +173,7 @@ class MemOPDConfig(_BaseConfig):
             this value in its worst turn; `distill_warmup_steps` then bounds the warm-up. A release before then flips
             the student's choices into states it cannot yet act in: on the offline world the mean over turns hides
             the answer turn, which the student learns last (docs/results.md, "What the release falls into"). 0 = the
-            warm-up lasts `distill_warmup_steps`; it needs `distill_warmup_steps > 0`.
+            warm-up lasts `distill_warmup_steps`; without a warm-up (`distill_warmup_steps=0`) it does nothing.
 
         > Parameters that control the training
 
@@ -660,14 +660,16 @@ class MemOPDConfig(_BaseConfig):
                 f"`distill_warmup_steps` ({self.distill_warmup_steps}) distills on the teacher's own episodes only, "
                 "but `teacher_generations` is 0: set `teacher_generations` > 0, or `distill_warmup_steps=0`."
             )
-        for name in ("distill_warmup_kl_coef", "distill_warmup_anchor_coef", "distill_warmup_release_loss"):
+        if self.distill_warmup_release_loss < 0:  # it only ends a warm-up early: without one it does nothing
+            bad("distill_warmup_release_loss", ">= 0")
+        for name in ("distill_warmup_kl_coef", "distill_warmup_anchor_coef"):
             value = getattr(self, name)
             if value < 0:
                 bad(name, ">= 0")
             if value > 0 and self.distill_warmup_steps == 0:
                 raise ValueError(
-                    f"`{name}` ({value}) is a setting of the distillation warm-up, but `distill_warmup_steps` is 0: "
-                    f"set `distill_warmup_steps` > 0, or `{name}=0`."
+                    f"`{name}` ({value}) holds the student to its start during the distillation warm-up, but "
+                    f"`distill_warmup_steps` is 0: set `distill_warmup_steps` > 0, or `{name}=0`."
                 )
         if self.distill_warmup_steps > 0 and self.distill_divergence_threshold == 0:
             raise ValueError(

@@ -89,7 +89,7 @@ def test_help_shows_the_defaults_a_run_uses():
     for flag in ("--config", "--dataset", "--arms", "--seeds", "--distill_coef", "--teacher_scoring", "--use_peft"):
         assert flag in text, flag
     # The offline run's values, not the dataclasses' (learning_rate 1e-06, max_steps -1, beta 0.5).
-    offline_run = (("--learning_rate", "0.0003"), ("--max_steps", "160"), ("--beta", "0.0"), ("--lookup_fraction", "1.0"),
+    offline_run = (("--learning_rate", "0.0003"), ("--max_steps", "220"), ("--beta", "0.0"), ("--lookup_fraction", "1.0"),
                    ("--teacher_generations", "1"))  # fmt: skip
     for flag, default in offline_run:
         help_of_flag = text.rsplit(f"{flag} {flag.upper()[2:]}", 1)[1][:400]  # the help, after the usage

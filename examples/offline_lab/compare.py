@@ -56,13 +56,15 @@ OFFLINE_DEFAULTS = dict(
     teacher_epochs=2.0, teacher_select_tasks=100, teacher_select_epochs=0.5,
     # Trainer: forward KL (beta=0) on each episode's tokens up to the first the teacher gives < 0.1 (the teacher's
     # targets after that are for states it never saw), plus one teacher-played episode per question.
-    output_dir="outputs/hotpot", max_steps=160, num_iterations=4, per_device_train_batch_size=8, num_generations=4,
+    output_dir="outputs/hotpot", max_steps=220, num_iterations=4, per_device_train_batch_size=8, num_generations=4,
     learning_rate=3e-4, lr_scheduler_type="constant_with_warmup", warmup_steps=20, temperature=0.7, beta=0.0,
     distill_divergence_threshold=0.1, distill_divergence_scope="episode", teacher_generations=1,
-    # The first 60 steps distill the teacher's episodes only, each without its branch point, while the start teaches
-    # the student's own episodes (the anchor): the student learns to act where the teacher's choices lead before it
-    # is taught to make them, and does not first break (docs/results.md, "The warm-up with the anchor").
-    distill_warmup_steps=60, distill_warmup_anchor_coef=1.0,
+    # The warm-up distills the teacher's episodes only, each without its branch point, while the start teaches the
+    # student's own episodes (the anchor, heavy enough to hold them): the student learns to act where the teacher's
+    # choices lead before it is taught to make them. It ends once the student can act in the teacher's states at
+    # every turn (the teacher-play loss of its worst turn at most 0.2), by step 140 at the latest; a release before
+    # then falls into the turns it cannot yet play (docs/results.md, "What the release falls into").
+    distill_warmup_steps=140, distill_warmup_anchor_coef=100.0, distill_warmup_release_loss=0.2,
     max_turns=4, memory_policy="compact", action_format="memopd", max_new_tokens=96, max_prompt_length=512,
     eval_strategy="steps", eval_steps=40, logging_steps=20, save_strategy="no", report_to="none", bf16=False,
     attn_implementation=VARLEN_ATTENTION,
