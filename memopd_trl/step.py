@@ -9,6 +9,7 @@ episode, then invocation by invocation, then token by token (`Rollout.invocation
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -183,9 +184,9 @@ class TeacherPlay:
     joint_rows: list[dict[str, Any]]
     distill_mask: torch.Tensor | None = None
 
-    @property
+    @cached_property
     def turns(self) -> torch.Tensor:
-        """`(N_play,)`: the turn of each action token, in the canonical order."""
+        """`(N_play,)`: the turn of each action token, in the canonical order (on the CPU)."""
         return torch.tensor([inv.turn for inv in self.invocations for _ in inv.output_ids], dtype=torch.long)
 
 

@@ -116,7 +116,7 @@ logger = logging.get_logger(__name__)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 WARMUP_STATE_FILE = "distill_warmup.json"  # a checkpoint's warm-up release (`distill_warmup_release_loss`)
-RELEASE_WINDOW = 3  # rollouts whose teacher-play loss `distill_warmup_release_loss` averages
+RELEASE_WINDOW = 3  # rollouts over which `distill_warmup_release_loss` measures the teacher-play loss
 
 
 class MemOPDTrainer(_BaseTrainer):
@@ -836,9 +836,11 @@ class MemOPDTrainer(_BaseTrainer):
                         kept = batch.teacher_play.distill_mask[play_actions]
                         play_divergence, play_turns = play_divergence[kept], play_turns[kept.cpu()]
                     sums["loss/distill_teacher_play"] += play_divergence.sum().item() / counts["play"]
-                    for turn, value in zip(play_turns.tolist(), play_divergence.detach().tolist(), strict=True):
-                        self._play_by_turn[turn][0] += value
-                        self._play_by_turn[turn][1] += 1
+                    totals = torch.bincount(play_turns, weights=play_divergence.detach().float().cpu())
+                    for turn, tokens in enumerate(torch.bincount(play_turns).tolist()):
+                        if tokens:
+                            self._play_by_turn[turn][0] += totals[turn].item()
+                            self._play_by_turn[turn][1] += tokens
                     distilled = torch.cat([distilled, play_divergence])
                 distill = distilled.mean() if distilled.numel() else hidden.new_zeros(())
                 distill = distill * (distilled.numel() / max(counts["distilled"], 1))
