@@ -173,9 +173,9 @@ def mark_branch_points(rows: list[dict], threshold: float) -> list[dict]:
     """Mark each row (`token_rows` of one model's episodes) by where it lies against its episode's branch point, the
     first token the start gives a probability below `threshold` (the token the warm-up leaves out): `"before"`, `"at"`
     or `"after"`."""
-    below = torch.tensor([row["start"] for row in rows]) < math.log(threshold)
-    first = until_first_divergence(torch.tensor([row["start"] for row in rows]),
-                                   torch.tensor([row["episode"] for row in rows]), threshold)  # fmt: skip
+    start = torch.tensor([row["start"] for row in rows])
+    below = start < math.log(threshold)
+    first = until_first_divergence(start, torch.tensor([row["episode"] for row in rows]), threshold)
     for row, is_below, kept in zip(rows, below.tolist(), first.tolist(), strict=True):
         row["branch"] = ("at" if is_below else "before") if kept else "after"
     return rows

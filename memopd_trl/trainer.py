@@ -25,7 +25,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -644,25 +644,16 @@ class MemOPDTrainer(_BaseTrainer):
     def _record_release_loss(self, by_turn: dict[int, list[float]]) -> None:
         """Keep `by_turn`, a rollout's teacher-play loss by turn at its first update on this process, added up over
         the processes, for `_maybe_release_warmup`. Collective."""
-        merged = defaultdict(lambda: [0.0, 0])
-        for process in gather_object([by_turn]):
-            for turn, (total, tokens) in process.items():
-                merged[turn][0] += total
-                merged[turn][1] += tokens
+        merged = _sum_by_turn(gather_object([by_turn]))
         if merged:
-            self._release_losses = [*self._release_losses, dict(merged)][-RELEASE_WINDOW:]
+            self._release_losses = [*self._release_losses, merged][-RELEASE_WINDOW:]
 
     def _release_loss(self) -> float | None:
         """The teacher-play loss of the last `RELEASE_WINDOW` rollouts, each before training on it, in its worst turn
         (nats per distilled token); `None` until that many were measured."""
         if len(self._release_losses) < RELEASE_WINDOW:
             return None
-        merged = defaultdict(lambda: [0.0, 0])
-        for by_turn in self._release_losses:
-            for turn, (total, tokens) in by_turn.items():
-                merged[turn][0] += total
-                merged[turn][1] += tokens
-        return max(total / tokens for total, tokens in merged.values())
+        return max(total / tokens for total, tokens in _sum_by_turn(self._release_losses).values())
 
     def _maybe_release_warmup(self) -> None:
         """End the warm-up before `distill_warmup_steps` once the student can act in the teacher's states at every turn:
@@ -1020,6 +1011,16 @@ class MemOPDTrainer(_BaseTrainer):
             model_name = self.args.hub_model_id.split("/")[-1]
         self.create_model_card(model_name=model_name)
         super()._save_checkpoint(model, trial)
+
+
+def _sum_by_turn(parts: Iterable[dict[int, list[float]]]) -> dict[int, list[float]]:
+    """Losses by turn (`{turn: [sum, tokens]}`, of processes or rollouts) added up into one."""
+    total = defaultdict(lambda: [0.0, 0])
+    for part in parts:
+        for turn, (loss, tokens) in part.items():
+            total[turn][0] += loss
+            total[turn][1] += tokens
+    return dict(total)
 
 
 def _is_peft(model) -> bool:
