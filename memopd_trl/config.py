@@ -170,12 +170,10 @@ class MemOPDConfig(_BaseConfig):
             When > 0, the warm-up ends once the student can act in the teacher's states at every turn: at the first
             rollout after the distillation loss on the teacher's episodes (nats per distilled token), measured on each
             rollout's first update, before the student has trained on it, over the last 3 rollouts, has fallen to
-            this value in its worst turn (of the turns with at least 5% of those rollouts' teacher-play tokens: a
-            turn few episodes reach is measured on a handful of tokens); `distill_warmup_steps` then bounds the
-            warm-up. A release before then flips the student's choices into states it cannot yet act in: on the
-            offline world the mean over turns hides the answer turn, which the student learns last (docs/results.md,
-            "What the release falls into"). 0 = the warm-up lasts `distill_warmup_steps`; without a warm-up
-            (`distill_warmup_steps=0`) it does nothing.
+            this value in its worst turn; `distill_warmup_steps` then bounds the warm-up. A release before then flips
+            the student's choices into states it cannot yet act in: on the offline world the mean over turns hides
+            the answer turn, which the student learns last (docs/results.md, "What the release falls into"). 0 = the
+            warm-up lasts `distill_warmup_steps`; without a warm-up (`distill_warmup_steps=0`) it does nothing.
 
         > Parameters that control the training
 

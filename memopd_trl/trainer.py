@@ -117,9 +117,6 @@ logger = logging.get_logger(__name__)
 VALUE_HEAD_FILE = "value_head.safetensors"
 WARMUP_STATE_FILE = "distill_warmup.json"  # a checkpoint's warm-up release (`distill_warmup_release_loss`)
 RELEASE_WINDOW = 3  # rollouts over which `distill_warmup_release_loss` measures the teacher-play loss
-# A turn holds the release only with at least this share of those rollouts' teacher-play tokens: a turn that few of the
-# teacher's episodes reach is measured on a handful of tokens (docs/results.md, "A rare turn").
-RELEASE_MIN_TURN_SHARE = 0.05
 
 
 class MemOPDTrainer(_BaseTrainer):
@@ -653,14 +650,10 @@ class MemOPDTrainer(_BaseTrainer):
 
     def _release_loss(self) -> float | None:
         """The teacher-play loss of the last `RELEASE_WINDOW` rollouts, each before training on it, in its worst turn
-        among those with at least `RELEASE_MIN_TURN_SHARE` of their tokens (nats per distilled token); `None` until
-        that many were measured."""
+        (nats per distilled token); `None` until that many were measured."""
         if len(self._release_losses) < RELEASE_WINDOW:
             return None
-        by_turn = _sum_by_turn(self._release_losses)
-        floor = RELEASE_MIN_TURN_SHARE * sum(tokens for _, tokens in by_turn.values())
-        counted = [total / tokens for total, tokens in by_turn.values() if tokens >= floor]
-        return max(counted or [total / tokens for total, tokens in by_turn.values()])
+        return max(total / tokens for total, tokens in _sum_by_turn(self._release_losses).values())
 
     def _maybe_release_warmup(self) -> None:
         """End the warm-up before `distill_warmup_steps` once the student can act in the teacher's states at every turn:
