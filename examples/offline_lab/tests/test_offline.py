@@ -17,6 +17,7 @@ from offline_lab import (
     RECIPE_VERSION,
     OfflineConfig,
     cached_start_scores,
+    check_student_start,
     greedy_scores,
     load_offline_model,
     load_offline_tokenizer,
@@ -325,6 +326,20 @@ def test_a_student_from_the_teacher_starts_from_its_weights_and_rebuilds_with_it
         "teacher"]["recipe"]  # fmt: skip
     with pytest.raises(ValueError, match="`student_from_teacher` starts the student from a copy of the teacher"):
         OfflineConfig(**{**SHARED, "share_pretraining": False, "student_from_teacher": True, "student_hidden_size": 16})
+
+
+def test_a_start_below_its_range_that_never_had_the_policy_is_told_to_learn_its_expert_longer():
+    setup = {"student_init": {"f1": 0.098, "single_f1": 0.795}, "teacher": {"f1": 0.905}}
+    hint = "--student_epochs 3 instead of 1"
+    refused = {
+        from_teacher: check_student_start(setup, OfflineConfig(**{**SHARED, "student_from_teacher": from_teacher}))
+        for from_teacher in (False, True)
+    }
+    assert "outside its intended range [0.3, 0.7]" in refused[True] and hint not in refused[True]
+    assert refused[False].startswith(refused[True]) and hint in refused[False]
+    above = {"student_init": {"f1": 0.95}, "teacher": {"f1": 0.98}}  # a start too good has learned its expert
+    assert hint not in check_student_start(above, OfflineConfig(**{**SHARED, "student_from_teacher": False}))
+    assert check_student_start({**setup, "student_init": {"f1": 0.5}}, OfflineConfig(**SHARED)) is None
 
 
 def test_imitation_keeps_the_weights_of_its_best_scored_checkpoint(make_tiny_model, tiny_tokenizer):
