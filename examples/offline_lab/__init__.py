@@ -30,7 +30,7 @@ from .compare import (
     set_cpu_threads,
 )
 from .diagnostics import expert_labels, takeover_rollout, teacher_takeover
-from .expert import MEMORY_MODES, SyntheticExpert, expert_trajectories, play_episode
+from .expert import MEMORY_MODES, SyntheticExpert, expert_trajectories, play_episode, reading_steps
 from .imitation import copy_task_invocations, expert_invocations, imitation_train
 from .modeling import build_tiny_model
 from .report import eval_curve, format_table, misalignment_curve, summarize, write_report
@@ -65,6 +65,7 @@ __all__ = [
     "cached_start_scores", "check_student_start", "check_teacher_gain", "copy_task_invocations", "eval_curve",
     "eval_settings", "expert_invocations", "expert_labels", "expert_trajectories", "format_table", "greedy_scores",
     "imitation_train", "load_offline_model", "load_offline_tokenizer", "make_offline_world", "make_synthetic_world",
-    "misalignment_curve", "offline_recipes", "play_episode", "prepare_offline_models", "summarize", "takeover_rollout",
+    "misalignment_curve", "offline_recipes", "play_episode", "prepare_offline_models", "reading_steps", "summarize",
+    "takeover_rollout",
     "teacher_takeover", "train_tiny_agent", "validation_tasks", "write_report",
 ]  # fmt: skip

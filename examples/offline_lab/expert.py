@@ -27,6 +27,7 @@ expert has lost its place and answers what it has.
 """
 
 import random
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -390,6 +391,44 @@ def make_mistake(action: str, action_format: ActionFormat, rng: random.Random) -
         cut = rng.randrange(1, max(2, len(words[-1])))
         query = words[0][: max(2, len(words[0]) // 2)] + words[-1][cut:]
     return action_format.render_action(memory, "search", query)
+
+
+def reading_steps(
+    episodes: Iterable[ExpertEpisode], action_format: ActionFormat
+) -> list[tuple[list[dict[str, str]], str]]:
+    """
+    One reading state per expert episode of a multi-objective task: the task and the episode's first search, then
+    every passage its searches found, in one observation, labelled with the episode's last action (each fact in
+    memory, every answer). With every fact in front of the model nothing is carried from an earlier turn: the state
+    teaches answering several questions from what it reads, not the memory policy.
+
+    Args:
+        episodes (`Iterable[ExpertEpisode]`): the full expert's clean episodes (no mistakes).
+        action_format (`ActionFormat`): the environment's tags.
+
+    Returns:
+        `list[tuple[list[dict], str]]`: `(messages, action)` pairs, one per episode that searched once per question,
+        each query new, then answered; the others (a single question, a retried search) give none.
+    """
+    opening, closing = f"<{action_format.information_tag}>", f"</{action_format.information_tag}>"
+    steps = []
+    for episode in episodes:
+        searches = episode.steps[1:]
+        if len(searches) < 2 or len(set(episode.queries)) != len(searches) or len(episode.queries) != len(searches):
+            continue
+        if parse_action(episode.steps[-1][1], action_format).kind != "answer":
+            continue
+        passages = []
+        for messages, _ in searches:
+            text = messages[-1]["content"]
+            if not (text.startswith(opening) and text.endswith(closing)):
+                break
+            passages += re.findall(r"^\[\d+\] (.*)$", text[len(opening) : -len(closing)], flags=re.MULTILINE)
+        else:
+            numbered = "\n".join(f"[{i}] {passage}" for i, passage in enumerate(passages, start=1))
+            observation = {"role": "user", "content": f"{opening}{numbered}{closing}"}
+            steps.append(([*searches[0][0][:-1], observation], episode.steps[-1][1]))
+    return steps
 
 
 def expert_trajectories(

@@ -49,7 +49,7 @@ from memopd_trl.envs.hotpot import HotpotQAEnv
 from memopd_trl.envs.multi import make_multi_objective_tasks
 from memopd_trl.rollout import RolloutEngine
 
-from .expert import MEMORY_MODES, SyntheticExpert, expert_trajectories
+from .expert import MEMORY_MODES, SyntheticExpert, expert_trajectories, reading_steps
 from .imitation import copy_task_invocations, expert_invocations, imitation_train
 from .modeling import build_tiny_model
 from .tokenizer import build_tokenizer
@@ -140,6 +140,12 @@ class OfflineConfig:
             The student start is a copy of the trained teacher that then imitates the `student_expert_memory` expert
             on `student_warmup_questions` tasks: a start that was taught every skill of the memory policy and then a
             forgetful habit over it (the student sizes must equal the teacher's).
+        student_reading (`bool`, *optional*, defaults to `False`):
+            The student start also imitates one reading state per task it imitates ([`reading_steps`]): the task and
+            its first search, then every passage of the task in one observation, labelled with the full expert's
+            answer action. It can then answer several questions from what is in front of it, without having carried
+            anything: the capability, not the memory policy (docs/results.md, "A start given the reading"). Needs
+            multi-objective tasks (`num_sub_questions >= 2`).
         copy_warmup_sequences (`int`, *optional*, defaults to `16000`):
             Random strings to repeat before imitation (the copy warm-up of both models); 0 turns it off.
         copy_learning_rate (`float`, *optional*, defaults to `5e-3`):
@@ -280,6 +286,11 @@ class OfflineConfig:
         default=False,
         metadata={"help": "Start the student from a copy of the trained teacher, then imitate the forgetful expert: "
                   "the skills of the memory policy with a forgetful habit over them."},
+    )  # fmt: skip
+    student_reading: bool = field(
+        default=False,
+        metadata={"help": "The student start also imitates one reading state per task: every passage of the task in "
+                  "one observation, labelled with both answers (the capability, not the memory policy)."},
     )  # fmt: skip
     copy_warmup_sequences: int = field(
         default=16000,
@@ -425,6 +436,11 @@ class OfflineConfig:
             raise ValueError(
                 "`share_pretraining` trains the tiny models' shared warm-up and pretraining; with `base_model` both "
                 "models already start from the same pretrained checkpoint: turn it off."
+            )
+        if self.student_reading and self.num_sub_questions < 2:
+            raise ValueError(
+                "`student_reading` shows every passage of a task at once: it needs multi-objective tasks "
+                f"(`num_sub_questions >= 2`), got {self.num_sub_questions}."
             )
         if self.student_expert_memory not in MEMORY_MODES:
             raise ValueError(
@@ -707,6 +723,8 @@ def offline_recipes(config: OfflineConfig, world: OfflineWorld) -> dict[str, dic
     recipes["student_init"]["expert_memory"] = config.student_expert_memory
     if config.student_from_teacher:
         recipes["student_init"]["from_teacher"] = dict(recipes["teacher"])
+    if config.student_reading:  # only when on: caches made without the option stay valid
+        recipes["student_init"]["reading"] = True
     return recipes
 
 
@@ -913,6 +931,10 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
             world.train[: config.student_warmup_questions], world.env_factory, memory=config.student_expert_memory
         )
     policy_steps["student_init"] = [step for trajectory in student_trajectories for step in trajectory.steps]
+    reading = []
+    if config.student_reading:  # the full expert's clean play of the same tasks, each read at once
+        clean = expert_trajectories(world.train[: config.student_warmup_questions], world.env_factory)
+        reading = reading_steps(clean, world.env_factory().action_format)
     pretrain_steps = []
     if config.pretrain_questions > 0:
         pretrain = expert_trajectories(world.train_questions[: config.pretrain_questions], **expert)
@@ -973,6 +995,9 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         recipe = recipes[role]
         steps = policy_steps[role] + replay_steps
         info = {}
+        if role == "student_init" and reading:
+            steps = reading + steps
+            info["reading_states"] = len(reading)
         start_from = base_model
         if role == "student_init" and config.student_from_teacher:
             start_from = models["teacher"] if "teacher" in models else load_offline_model(paths["teacher"])

@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from memopd_trl import MemOPDConfig, MemOPDTrainer
+from memopd_trl.envs.base import parse_action
 from memopd_trl.envs.multi import multi_objective_max_turns
 from offline_lab import (
     NAME_SYLLABLES,
@@ -18,11 +19,13 @@ from offline_lab import (
     OfflineConfig,
     cached_start_scores,
     check_student_start,
+    expert_trajectories,
     greedy_scores,
     load_offline_model,
     load_offline_tokenizer,
     make_offline_world,
     prepare_offline_models,
+    reading_steps,
 )
 from offline_lab.setup import ENVIRONMENT_PACKAGES, offline_recipes
 
@@ -340,6 +343,51 @@ def test_a_start_below_its_range_that_never_had_the_policy_is_told_to_learn_its_
     above = {"student_init": {"f1": 0.95}, "teacher": {"f1": 0.98}}  # a start too good has learned its expert
     assert hint not in check_student_start(above, OfflineConfig(**{**SHARED, "student_from_teacher": False}))
     assert check_student_start({**setup, "student_init": {"f1": 0.5}}, OfflineConfig(**SHARED)) is None
+
+
+def test_reading_states_show_every_passage_of_a_task_at_once_with_the_full_experts_answers():
+    world = make_offline_world(OfflineConfig(**SHARED), max_turns=multi_objective_max_turns(2, searches_per_question=1))
+    episodes = expert_trajectories(world.train[:6], world.env_factory)
+    fmt = world.env_factory().action_format
+    steps = reading_steps(episodes, fmt)
+    assert len(steps) == 6, "every clean two-search episode gives one state"
+    for (messages, action), episode in zip(steps, episodes, strict=True):
+        assert messages[:-1] == episode.steps[1][0][:-1], "the task and the first search, nothing carried"
+        passages = [m[-1]["content"].split("] ", 1)[1].removesuffix(f"</{fmt.information_tag}>")
+                    for m, _ in episode.steps[1:]]  # fmt: skip
+        assert messages[-1]["content"] == (
+            f"<{fmt.information_tag}>[1] {passages[0]}\n[2] {passages[1]}</{fmt.information_tag}>")
+        assert action == episode.steps[-1][1] and parse_action(action, fmt).argument.count(";") == 1
+    retried = dataclasses.replace(episodes[0], queries=[episodes[0].queries[0]] * 2)  # one entity searched twice
+    single = dataclasses.replace(episodes[1], steps=episodes[1].steps[-2:], queries=episodes[1].queries[-1:])
+    assert reading_steps([retried, single], fmt) == []
+    with pytest.raises(ValueError, match="`student_reading` shows every passage of a task at once"):
+        OfflineConfig(**{**SHARED, "num_sub_questions": 1, "pretrain_questions": 0, "replay_questions": 0,
+                         "student_reading": True})  # fmt: skip
+
+
+def test_a_student_start_with_reading_states_imitates_them_beside_its_expert(tmp_path, monkeypatch):
+    import offline_lab.setup as offline
+
+    imitated = {}
+    train = offline.train_tiny_agent
+
+    def recording(role, hidden, layers, invocations, *args, **kwargs):
+        imitated[role] = len(invocations)
+        return train(role, hidden, layers, invocations, *args, **kwargs)
+
+    monkeypatch.setattr(offline, "train_tiny_agent", recording)
+    world = make_offline_world(OfflineConfig(**SHARED), max_turns=multi_objective_max_turns(2, searches_per_question=1))
+    counts = {}
+    for reading in (False, True):
+        imitated.clear()
+        config = OfflineConfig(**{**SHARED, "student_reading": reading})
+        setup = prepare_offline_models(config, world, tmp_path / "models", **GENERATION)
+        counts[reading] = imitated.pop("student_init")
+        assert ("reading" in setup["student_init"]["recipe"]) == reading, "a cache without the option stays valid"
+    assert setup["student_init"]["reading_states"] == SHARED["student_warmup_questions"]
+    assert counts[True] - counts[False] == SHARED["student_warmup_questions"]
+    assert "teacher" not in imitated, "only the student start is rebuilt"
 
 
 def test_imitation_keeps_the_weights_of_its_best_scored_checkpoint(make_tiny_model, tiny_tokenizer):
