@@ -66,6 +66,5 @@ __all__ = [
     "eval_settings", "expert_invocations", "expert_labels", "expert_trajectories", "format_table", "greedy_scores",
     "imitation_train", "load_offline_model", "load_offline_tokenizer", "make_offline_world", "make_synthetic_world",
     "misalignment_curve", "offline_recipes", "play_episode", "prepare_offline_models", "reading_steps", "summarize",
-    "takeover_rollout",
-    "teacher_takeover", "train_tiny_agent", "validation_tasks", "write_report",
+    "takeover_rollout", "teacher_takeover", "train_tiny_agent", "validation_tasks", "write_report",
 ]  # fmt: skip

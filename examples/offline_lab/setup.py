@@ -932,7 +932,7 @@ def _build_models(config, world, paths, roles, recipes, generation) -> None:
         )
     policy_steps["student_init"] = [step for trajectory in student_trajectories for step in trajectory.steps]
     reading = []
-    if config.student_reading:  # the full expert's clean play of the same tasks, each read at once
+    if config.student_reading and "student_init" in roles:  # the full expert's clean play of its tasks, read at once
         clean = expert_trajectories(world.train[: config.student_warmup_questions], world.env_factory)
         reading = reading_steps(clean, world.env_factory().action_format)
     pretrain_steps = []
