@@ -9,8 +9,10 @@ settings (seed 0 unless `--seeds` says otherwise) trains the start for `--trough
 that are not validation tasks; everything measured is on the validation tasks (`offline_lab.validation_tasks`):
 
 1. **The loss at step 0**, on the start's own sampled episodes (the training temperature, `num_generations` per task):
-   per turn and part, how many tokens the episode-scoped divergence mask keeps, their share of the forward KL, and
-   the norm of the gradient each turn's kept loss alone gives the weights.
+   per turn and part, how many tokens the teacher gives less than `distill_divergence_threshold`, how many the
+   episode-scoped divergence mask keeps, their share of the forward KL, the norm of the gradient each turn's kept
+   loss alone gives the weights, and in which turn and part each episode first diverges. The same on the trough's own
+   samples: what the loss covers once the student has moved.
 2. **What moved**, start -> trough: the mean log-prob of the start's sampled tokens and of the teacher's greedy tokens
    (in the teacher's own states) under each model, per turn and part; on the teacher's tokens also at and after each
    episode's branch point (its first token the start gives less than `distill_divergence_threshold`).
@@ -99,8 +101,12 @@ def token_rows(episodes, tokenizer, action_format, models: dict, temperature: fl
 
 
 def step0_loss(episodes, student, teacher, tokenizer, action_format, config) -> dict:
-    """Per turn and part at the start: kept tokens, their share of the forward KL, and each turn's gradient norm."""
+    """The distillation loss on `student`'s own `episodes`, per turn and part: tokens, those the teacher gives less
+    than `distill_divergence_threshold` (0.1 where it is 0), those the episode-scoped mask keeps, their share of the
+    forward KL, each turn's gradient norm; and under `"first divergence"`, how many episodes first diverge in each
+    turn and part (where the mask stops; `"none"`: never)."""
     temperature, rows, losses = config.temperature, [], []
+    threshold = config.distill_divergence_threshold or 0.1  # the default's mask where the setting distills every token
     for episode_index, episode in enumerate(episodes):
         for invocation in episode.invocations:
             if not invocation.output_ids:
@@ -119,7 +125,7 @@ def step0_loss(episodes, student, teacher, tokenizer, action_format, config) -> 
     keep = until_first_divergence(
         torch.tensor([row["teacher_sampled"] for row in rows]),
         torch.tensor([row["episode"] for row in rows]),
-        config.distill_divergence_threshold,
+        threshold,
     )
     total = (kl_all * keep).sum().detach()
     turns = torch.tensor([row["turn"] for row in rows])
@@ -129,19 +135,24 @@ def step0_loss(episodes, student, teacher, tokenizer, action_format, config) -> 
         ((kl_all * keep * (turns == turn)).sum() / keep.sum()).backward(retain_graph=True)
         grad_norms[turn] = torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None]).norm()
     student.zero_grad()
-    table = defaultdict(lambda: {"tokens": 0, "kept": 0, "kl_kept": 0.0})
+    table = defaultdict(lambda: {"tokens": 0, "below": 0, "kept": 0, "kl_kept": 0.0})
+    below, first = math.log(threshold), Counter()
     for row, kept, kl in zip(rows, keep.tolist(), kl_all.tolist(), strict=True):
         for key in ((row["turn"], row["part"]), (row["turn"], "all")):
             table[key]["tokens"] += 1
+            table[key]["below"] += row["teacher_sampled"] < below
             table[key]["kept"] += kept
             table[key]["kl_kept"] += kl * kept
+        if kept and row["teacher_sampled"] < below:  # the last token the mask keeps in its episode
+            first[f"{row['turn']}/{row['part']}"] += 1
     out = {}
     for (turn, part), cell in sorted(table.items()):
-        out[f"{turn}/{part}"] = {"tokens": cell["tokens"], "kept": cell["kept"],
+        out[f"{turn}/{part}"] = {"tokens": cell["tokens"], "below": cell["below"], "kept": cell["kept"],
                                  "loss_share": cell["kl_kept"] / max(total.item(), 1e-12),
                                  "kl_per_kept_token": cell["kl_kept"] / max(cell["kept"], 1)}  # fmt: skip
         if part == "all":
             out[f"{turn}/{part}"]["grad_norm"] = float(grad_norms[turn])
+    out["first divergence"] = {**dict(first.most_common()), "none": len(episodes) - sum(first.values())}
     return out
 
 
@@ -257,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
         sampled_now, _ = engine(model).rollout(tasks, num_generations=config.num_generations)
         report[f"{name}_greedy"] = episode_stats(greedy, tokenizer, action_format)
         report[f"{name}_sampled"] = episode_stats(sampled_now, tokenizer, action_format)
+        if name == "trough":  # what the loss covers once the student has moved (after a release, say)
+            report["trough_loss"] = step0_loss(sampled_now, model, teacher, tokenizer, action_format, settings)
         report[f"{name}_takeover"] = offline.teacher_takeover(engine(model), engine(teacher), tasks)
         report[f"{name}_finishes_teacher"] = offline.teacher_takeover(engine(teacher), engine(model), tasks)
     report["teacher_greedy"] = episode_stats(teacher_greedy, tokenizer, action_format)
@@ -275,12 +288,18 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"\n## Step-0 loss on the start's samples (T = training temperature), seed {report['seed']}")
-    print("| turn/part | tokens | kept | share of kept loss | KL per kept token | grad norm |\n|---|---:|---:|---:|---:|---:|")
-    for key, cell in report["step0_loss"].items():
-        if cell["kept"] or key.endswith("/all"):
-            print(f"| {key} | {cell['tokens']} | {cell['kept']} | {cell['loss_share']:.3f} | "
-                  f"{cell['kl_per_kept_token']:.2f} | {cell.get('grad_norm', float('nan')):.3g} |")  # fmt: skip
+    for name, model in (("step0", "start"), ("trough", "trough")):
+        print(f"\n## The loss on the {model}'s own samples (T = training temperature), seed {report['seed']}")
+        print("| turn/part | tokens | teacher < threshold | kept | share of kept loss | KL per kept token | grad norm |\n"
+              "|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+        table = dict(report[f"{name}_loss"])
+        first = table.pop("first divergence", {})
+        for key, cell in table.items():
+            if cell["kept"] or key.endswith("/all"):
+                print(f"| {key} | {cell['tokens']} | {cell.get('below', '')} | {cell['kept']} | "
+                      f"{cell['loss_share']:.3f} | {cell['kl_per_kept_token']:.2f} | "
+                      f"{cell.get('grad_norm', float('nan')):.3g} |")  # fmt: skip
+        print(f"  episodes by the turn/part of their first divergence (where the mask stops): {first}")
     for source in ("start_samples", "teacher_greedy"):
         print(f"\n## Mean log-prob of the {source.replace('_', ' ')}' tokens (T = training temperature)")
         print("| turn/part | tokens | start | trough | moved |\n|---|---:|---:|---:|---:|")

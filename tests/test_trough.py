@@ -34,14 +34,20 @@ def test_the_trough_report_splits_the_step0_loss_and_the_moves_by_turn_and_part(
     report = trough.main(["--config", str(ROOT / "examples" / "smoke.yaml"), "--output_dir", str(tmp_path),
                           "--trough_step", "1", "--num_tasks", "2", "--distill_divergence_threshold", "0.1"])  # fmt: skip
     assert json.loads((tmp_path / "trough-0-1.json").read_text())["trough_step"] == 1
-    loss = report["step0_loss"]
-    totals = {key: cell for key, cell in loss.items() if key.endswith("/all")}
-    assert sum(cell["loss_share"] for cell in totals.values()) == pytest.approx(1.0, abs=1e-6)
-    for key, cell in loss.items():
-        assert 0 <= cell["kept"] <= cell["tokens"], key
-        assert key.split("/")[1] in (*trough.PARTS, "all")
-    parts = [cell for key, cell in loss.items() if not key.endswith("/all")]
-    assert sum(cell["tokens"] for cell in parts) == sum(cell["tokens"] for cell in totals.values())
+    for name in ("step0_loss", "trough_loss"):
+        loss = dict(report[name])
+        first = loss.pop("first divergence")  # each episode once: where its first divergent token is, or none
+        assert sum(first.values()) == 2 * 2  # num_tasks x the smoke's num_generations
+        totals = {key: cell for key, cell in loss.items() if key.endswith("/all")}
+        assert sum(cell["loss_share"] for cell in totals.values()) == pytest.approx(1.0, abs=1e-6)
+        for key, cell in loss.items():
+            assert 0 <= cell["kept"] <= cell["tokens"] and 0 <= cell["below"] <= cell["tokens"], key
+            assert key.split("/")[1] in (*trough.PARTS, "all")
+        parts = [cell for key, cell in loss.items() if not key.endswith("/all")]
+        assert sum(cell["tokens"] for cell in parts) == sum(cell["tokens"] for cell in totals.values())
+        # The mask keeps every token up to the first divergence: an episode that never diverges is kept whole.
+        below = sum(cell["below"] for cell in totals.values())
+        assert (below == 0) == (first["none"] == sum(first.values()))
     for name in ("start", "trough"):
         assert set(report[f"{name}_greedy"]) >= {"f1", "turns", "malformed_per_episode", "by_turn"}
         assert 0 in report[f"{name}_takeover"]
