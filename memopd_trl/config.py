@@ -143,13 +143,6 @@ class MemOPDConfig(_BaseConfig):
             (see `distill_divergence_scope`). These episodes add to the distillation loss only, never to PPO. Like
             sequence-level distillation on teacher outputs in TRL's `GKDTrainer` (`seq_kd`, `lmbda`). 0 = off; it
             needs `distill_coef > 0`.
-        teacher_play_coef (`float`, *optional*):
-            How the teacher's episodes (`teacher_generations`) weigh in the distillation loss. `None`: one mean over
-            their tokens and the kept tokens of the student's episodes, so each side weighs by its token count. A
-            number: the mean over the teacher's episodes, times this weight, added to the mean over the student's
-            kept tokens; their weight then does not fall when the warm-up ends and the student's `num_generations`
-            episodes join the loss (on the offline world, to about 0.3 of what it was: docs/results.md, "After the
-            release"). Needs `teacher_generations > 0`.
         distill_warmup_steps (`int`, *optional*, defaults to `0`):
             Optimizer steps at the start of training during which the distillation covers only the teacher's own
             episodes (`teacher_generations`), not the student's (PPO still covers the student's), and leaves out each
@@ -461,15 +454,6 @@ class MemOPDConfig(_BaseConfig):
         },
     )
 
-    teacher_play_coef: float | None = field(
-        default=None,
-        metadata={
-            "help": "Weight of the mean distillation loss on the teacher's episodes, added to the mean over the "
-            "student's kept tokens; None = one mean over both (each weighs by its token count). Needs "
-            "`teacher_generations` > 0."
-        },
-    )
-
     distill_warmup_steps: int = field(
         default=0,
         metadata={
@@ -669,14 +653,6 @@ class MemOPDConfig(_BaseConfig):
                 f"`teacher_generations` ({self.teacher_generations}) adds episodes to the distillation loss, but "
                 "`distill_coef` is 0: set `distill_coef` > 0, or `teacher_generations=0`."
             )
-        if self.teacher_play_coef is not None:
-            if self.teacher_play_coef < 0:
-                bad("teacher_play_coef", ">= 0, or None (one mean with the student's tokens)")
-            if self.teacher_generations == 0:
-                raise ValueError(
-                    f"`teacher_play_coef` ({self.teacher_play_coef}) weighs the teacher's episodes, but "
-                    "`teacher_generations` is 0: set `teacher_generations` > 0, or `teacher_play_coef=None`."
-                )
         if self.distill_warmup_steps < 0:
             bad("distill_warmup_steps", ">= 0")
         if self.distill_warmup_steps > 0 and self.teacher_generations == 0:

@@ -832,10 +832,6 @@ class MemOPDTrainer(_BaseTrainer):
                         if tokens:
                             self._play_by_turn[turn][0] += totals[turn].item()
                             self._play_by_turn[turn][1] += tokens
-                    if args.teacher_play_coef is not None:  # each side its own mean (this row's share of it)
-                        own_tokens = counts["distilled"] - counts["play"]
-                        distilled = distilled * (counts["distilled"] / max(own_tokens, 1))
-                        play_divergence = play_divergence * (args.teacher_play_coef * counts["distilled"] / counts["play"])
                     distilled = torch.cat([distilled, play_divergence])
                 distill = distilled.mean() if distilled.numel() else hidden.new_zeros(())
                 distill = distill * (distilled.numel() / max(counts["distilled"], 1))

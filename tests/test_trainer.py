@@ -1113,14 +1113,6 @@ def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
     assert metrics["loss/distill"][0] == pytest.approx(per_token.mean().item(), rel=1e-4)
     num_own = sum(len(inv.output_ids) for inv in own)
     assert metrics["loss/distill_teacher_play"][0] == pytest.approx(per_token[num_own:].mean().item(), rel=1e-4)
-    # teacher_play_coef: each side its own mean, the teacher's weighted, whatever the two token counts are
-    trainer.args.teacher_play_coef = 2.0
-    trainer._batch_loss(student, batch)
-    own_mean, play_mean = per_token[:num_own].mean().item(), per_token[num_own:].mean().item()
-    assert metrics["loss/distill"][1] == pytest.approx(own_mean + 2.0 * play_mean, rel=1e-4)
-    assert metrics["loss/distill"][1] != pytest.approx(metrics["loss/distill"][0])
-    trainer.args.teacher_play_coef = None
-    del metrics["loss/distill"][1], metrics["loss/ppo"][1]
     batch.teacher_play = None
     trainer._batch_loss(student, batch)
     assert metrics["loss/ppo"][1] == metrics["loss/ppo"][0], "the teacher's episodes never enter PPO"
@@ -1129,10 +1121,6 @@ def test_teacher_generations_distill_the_student_on_episodes_the_teacher_played(
         make_config(tmp_path, distill_coef=0.0, teacher_generations=1)
     with pytest.raises(ValueError, match="`teacher_generations` must be >= 0"):
         make_config(tmp_path, teacher_generations=-1)
-    with pytest.raises(ValueError, match="`teacher_play_coef` .* but `teacher_generations` is 0"):
-        make_config(tmp_path, teacher_play_coef=1.0)
-    with pytest.raises(ValueError, match="`teacher_play_coef` must be >= 0"):
-        make_config(tmp_path, teacher_generations=1, teacher_play_coef=-1.0)
 
 
 @pytest.mark.parametrize("teacher_scoring", ["aligned", "persistent"])
