@@ -134,7 +134,10 @@ class MemOPDConfig(_BaseConfig):
             Where `distill_divergence_threshold` stops distilling. `"action"`: each action up to its own first unlikely
             token. `"episode"`: each episode up to its first unlikely token, every later action included: from there
             on the student's memory holds what the teacher would not have written, and the teacher scores states it
-            never visited.
+            never visited. `"none"`: every token of the student's episodes, the threshold then only finding the branch
+            points `distill_warmup_steps` leaves out of the teacher's episodes: a student that must still learn
+            to act in its own states after the warm-up gets the teacher's targets there, where the episode's
+            first divergence would stop them (docs/results.md, "After the release"). Needs a warm-up.
         teacher_generations (`int`, *optional*, defaults to `0`):
             Episodes per question the teacher plays (sampled at `temperature`, beside the student's
             `num_generations`), on which the student is distilled as well, every action token in the exact state the
@@ -442,8 +445,10 @@ class MemOPDConfig(_BaseConfig):
         default="action",
         metadata={
             "help": "Where `distill_divergence_threshold` stops: `action` (each action up to its own first unlikely "
-            "token) or `episode` (each episode up to its first unlikely token: later states are ones the teacher never saw).",
-            "choices": ["action", "episode"],
+            "token), `episode` (each episode up to its first unlikely token: later states are ones the teacher never "
+            "saw), or `none` (every token of the student's episodes; the threshold only finds the warm-up's branch "
+            "points).",
+            "choices": ["action", "episode", "none"],
         },
     )
     teacher_generations: int = field(
@@ -676,8 +681,13 @@ class MemOPDConfig(_BaseConfig):
                 f"`distill_warmup_steps` ({self.distill_warmup_steps}) leaves out the teacher's branch points, the "
                 "tokens the student gives less than `distill_divergence_threshold`, which is 0: set it > 0 (e.g. 0.1)."
             )
-        if self.distill_divergence_scope not in ("action", "episode"):
-            bad("distill_divergence_scope", '"action" or "episode"')
+        if self.distill_divergence_scope not in ("action", "episode", "none"):
+            bad("distill_divergence_scope", '"action", "episode" or "none"')
+        if self.distill_divergence_scope == "none" and self.distill_warmup_steps == 0:
+            raise ValueError(
+                '`distill_divergence_scope="none"` leaves the threshold only the branch points of the warm-up, but '
+                "`distill_warmup_steps` is 0: set `distill_divergence_threshold=0` to distill every token instead."
+            )
         if self.distill_divergence_threshold > 0 and self.distill_coef == 0:
             raise ValueError(
                 f"`distill_divergence_threshold` ({self.distill_divergence_threshold}) selects the tokens of the "

@@ -449,7 +449,7 @@ class MemOPDTrainer(_BaseTrainer):
         need_sampled = need_sampled or (args.loss_top_k > 0 and self.audit is not None)  # its top-k audit reads them
         action_ids = action_token_ids(batch.packed) if need_sampled else None
         batch.teacher = self.teacher.score(rollout.invocations, args.teacher_scoring, batch.rows, action_ids)
-        if args.distill_divergence_threshold > 0:
+        if args.distill_divergence_threshold > 0 and args.distill_divergence_scope != "none":
             batch.distill_mask = self._distill_mask(rollout, batch)
         if self._in_distill_warmup():  # the teacher's own episodes only, for now
             batch.distill_mask = torch.zeros_like(batch.old_logprobs, dtype=torch.bool)

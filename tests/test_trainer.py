@@ -1285,6 +1285,34 @@ def test_distill_warmup_steps_distill_the_teachers_episodes_without_their_branch
         make_config(tmp_path, distill_warmup_steps=-1)
 
 
+def test_distill_divergence_scope_none_keeps_the_warm_ups_branch_points_and_then_distills_every_token(
+    tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
+):
+    student = make_tiny_model(seed=0)
+    teacher = near_copy(student, seed=1, scale=0.5)
+    for scope in ("episode", "none"):
+        config = make_config(
+            tmp_path, num_generations=2, teacher_generations=1, distill_warmup_steps=1, distill_divergence_threshold=0.1,
+            distill_divergence_scope=scope, temperature=1.3, misalignment_audit_steps=0,
+        )  # fmt: skip
+        trainer = MemOPDTrainer(
+            model=student, teacher_model=teacher, args=config, train_dataset=world.records, env_factory=env_factory,
+            processing_class=tiny_tokenizer,
+        )  # fmt: skip
+        batch = trainer._prepare_inputs(world.records[:2])  # step 0: the warm-up
+        assert not batch.distill_mask.any(), "the warm-up leaves the student's episodes out"
+        assert not batch.teacher_play.distill_mask.all(), "and each teacher episode's branch point (the check needs one)"
+        trainer.state.global_step = 1  # released
+        batch = trainer._prepare_inputs(world.records[:2])
+        assert batch.teacher_play.distill_mask is None
+        if scope == "none":
+            assert batch.distill_mask is None, "every token of the student's episodes"
+        else:
+            assert not batch.distill_mask.all(), "the episode's first divergence stops it (the check needs one)"
+    with pytest.raises(ValueError, match='`distill_divergence_scope="none"` .* but `distill_warmup_steps` is 0'):
+        make_config(tmp_path, distill_divergence_threshold=0.1, distill_divergence_scope="none")
+
+
 def test_distill_warmup_kl_coef_holds_the_student_to_its_start_during_the_warm_up_only(
     tmp_path, world, env_factory, make_tiny_model, tiny_tokenizer
 ):
