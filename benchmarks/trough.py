@@ -100,7 +100,7 @@ def token_rows(episodes, tokenizer, action_format, models: dict, temperature: fl
     return rows
 
 
-def step0_loss(episodes, student, teacher, tokenizer, action_format, config) -> dict:
+def own_samples_loss(episodes, student, teacher, tokenizer, action_format, config) -> dict:
     """The distillation loss on `student`'s own `episodes`, per turn and part: tokens, those the teacher gives less
     than `distill_divergence_threshold` (0.1 where it is 0), those the episode-scoped mask keeps, their share of the
     forward KL, each turn's gradient norm; and under `"first divergence"`, how many episodes first diverge in each
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     sampled, _ = engine(start).rollout(tasks, num_generations=config.num_generations)
     if not ours.quick:
         start.train()
-        report["step0_loss"] = step0_loss(sampled, start, teacher, tokenizer, action_format, settings)
+        report["step0_loss"] = own_samples_loss(sampled, start, teacher, tokenizer, action_format, settings)
         start.eval()
     trainer.train()
     trough = trainer.model.eval()
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         report[f"{name}_greedy"] = episode_stats(greedy, tokenizer, action_format)
         report[f"{name}_sampled"] = episode_stats(sampled_now, tokenizer, action_format)
         if name == "trough":  # what the loss covers once the student has moved (after a release, say)
-            report["trough_loss"] = step0_loss(sampled_now, model, teacher, tokenizer, action_format, settings)
+            report["trough_loss"] = own_samples_loss(sampled_now, model, teacher, tokenizer, action_format, settings)
         report[f"{name}_takeover"] = offline.teacher_takeover(engine(model), engine(teacher), tasks)
         report[f"{name}_finishes_teacher"] = offline.teacher_takeover(engine(teacher), engine(model), tasks)
     report["teacher_greedy"] = episode_stats(teacher_greedy, tokenizer, action_format)
@@ -293,10 +293,10 @@ def print_report(report: dict) -> None:
         print("| turn/part | tokens | teacher < threshold | kept | share of kept loss | KL per kept token | grad norm |\n"
               "|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
         table = dict(report[f"{name}_loss"])
-        first = table.pop("first divergence", {})
+        first = table.pop("first divergence")
         for key, cell in table.items():
             if cell["kept"] or key.endswith("/all"):
-                print(f"| {key} | {cell['tokens']} | {cell.get('below', '')} | {cell['kept']} | "
+                print(f"| {key} | {cell['tokens']} | {cell['below']} | {cell['kept']} | "
                       f"{cell['loss_share']:.3f} | {cell['kl_per_kept_token']:.2f} | "
                       f"{cell.get('grad_norm', float('nan')):.3g} |")  # fmt: skip
         print(f"  episodes by the turn/part of their first divergence (where the mask stops): {first}")
